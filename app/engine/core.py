@@ -1,0 +1,126 @@
+"""The engine's state, as plain synchronous methods: the requests it knows, their streams and the
+scheduler. The asyncio loop in ``engine.py`` is a thin driver around it, so the stateful tests
+drive this class step by step without an event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from app.engine.errors import DuplicateRequestError, QueueFullError
+from app.engine.runner import ModelRunner
+from app.engine.scheduler import BatchingPolicy, Scheduler, StepPlan
+from app.engine.stream import RequestStream
+from app.engine.types import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    num_slots: int = 8
+    max_waiting: int = 1024  # requests admitted to the waiting queue before submit() refuses
+    policy: BatchingPolicy = BatchingPolicy.CONTINUOUS
+    offload_model_calls: bool = True  # run each model call in a worker thread
+
+
+class EngineObserver(Protocol):
+    """Receives the engine's events (metrics, logs). Called on the engine task; must be quick."""
+
+    def on_step(self, plan: StepPlan, ended: float) -> None: ...
+
+    def on_finished(self, seq: Sequence) -> None: ...
+
+
+class EngineCore:
+    """Live requests by id, their streams, and the scheduler. ``live`` holds every request that
+    has not finished: waiting (in the inbox or the queue) or running."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        config: EngineConfig,
+        observer: EngineObserver | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.scheduler = Scheduler(config.num_slots, config.policy)
+        self.live: dict[str, RequestStream] = {}
+        self.observer = observer
+        self.clock = clock
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.slots.occupied
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.live) - self.scheduler.slots.occupied
+
+    def register(self, seq: Sequence) -> RequestStream:
+        """Accept a new request (before it reaches the scheduler) or refuse it."""
+        if seq.request_id in self.live:
+            raise DuplicateRequestError(f"request id {seq.request_id!r} is already in use")
+        if self.num_waiting >= self.config.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
+        stream = RequestStream(seq)
+        self.live[seq.request_id] = stream
+        return stream
+
+    def add(self, seq: Sequence) -> None:
+        """Hand a registered request to the scheduler."""
+        if self.scheduler.add(seq, self.clock()):
+            self._finished(seq)
+
+    def abort(self, request_id: str) -> None:
+        seq = self.scheduler.abort(request_id, self.clock())
+        if seq is not None:
+            self._finished(seq)
+
+    def abort_waiting(self) -> None:
+        for seq in self.scheduler.abort_waiting(self.clock()):
+            self._finished(seq)
+
+    def abort_all(self) -> None:
+        for seq in self.scheduler.abort_all(self.clock()):
+            self._finished(seq)
+
+    def fail_all(self, error: BaseException) -> None:
+        for seq in self.scheduler.fail_all(error, self.clock()):
+            self._finished(seq)
+
+    def schedule(self) -> StepPlan:
+        return self.scheduler.schedule(self.clock())
+
+    def complete(self, plan: StepPlan, tokens: list[int]) -> None:
+        """The model call for ``plan`` returned ``tokens``: apply them and publish."""
+        now = self.clock()
+        self.scheduler.apply(plan, tokens, now)
+        self._publish(plan, now)
+
+    def fail(self, plan: StepPlan, error: BaseException) -> None:
+        """The model call for ``plan`` raised: its requests end with ``error``; others go on."""
+        now = self.clock()
+        self.scheduler.fail(plan, error, now)
+        self._publish(plan, now)
+
+    def _publish(self, plan: StepPlan, now: float) -> None:
+        live = self.live
+        for seq in plan.batch:
+            stream = live.get(seq.request_id)
+            if stream is not None and stream.seq is seq:
+                stream.notify()
+        for seq in plan.finished:
+            self._finished(seq)
+        if self.observer is not None:
+            self.observer.on_step(plan, now)
+
+    def _finished(self, seq: Sequence) -> None:
+        stream = self.live.get(seq.request_id)
+        if stream is not None and stream.seq is seq:
+            del self.live[seq.request_id]
+            stream.notify()
+        if self.observer is not None:
+            self.observer.on_finished(seq)

@@ -1,0 +1,195 @@
+"""The asyncio engine: one task owns the ``EngineCore`` and runs the decode loop.
+
+Handlers never touch engine state. ``submit()`` registers a request and posts it to the inbox;
+``abort()`` posts an abort. The loop drains the inbox at every step boundary (and awaits it when
+there is no work: no polling), schedules, runs the model call in a worker thread so the event
+loop keeps streaming, then applies aborts that arrived during the call before the call's tokens,
+so an aborted request's slot is free, and refilled, before the next model call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from enum import Enum, auto
+
+from app.engine.core import EngineConfig, EngineCore, EngineObserver
+from app.engine.errors import EngineDeadError, EngineDrainingError
+from app.engine.runner import make_runner
+from app.engine.scheduler import StepPlan
+from app.engine.stream import RequestStream
+from app.engine.types import FinishReason, Sequence
+from app.models.protocol import Model
+
+log = logging.getLogger("slotserve.engine")
+
+
+class Signal(Enum):
+    DRAIN = auto()  # stop admitting: abort every waiting request
+    ABORT_ALL = auto()  # abort everything still running
+    SHUTDOWN = auto()  # leave the loop
+
+
+@dataclass(frozen=True, slots=True)
+class Add:
+    seq: Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request_id: str
+
+
+Message = Add | Abort | Signal
+
+
+class Engine:
+    """Serves requests on a model with continuous batching. Create, ``await start()``, then
+    ``submit()`` / ``abort()`` from any coroutine on the same loop; ``await stop()`` drains."""
+
+    def __init__(
+        self, model: Model, config: EngineConfig, observer: EngineObserver | None = None
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.core = EngineCore(make_runner(model, config.num_slots), config, observer)
+        self._inbox: asyncio.Queue[Message] = asyncio.Queue()
+        self._idle = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self.draining = False
+        self.death: BaseException | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done() and self.death is None
+
+    async def start(self) -> None:
+        if self.config.offload_model_calls:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="slotserve-model")
+        self._task = asyncio.create_task(self._run(), name="slotserve-engine")
+
+    def submit(self, seq: Sequence) -> RequestStream:
+        """Queue ``seq`` and return its output stream. Raises ``EngineDeadError``,
+        ``EngineDrainingError``, ``DuplicateRequestError`` or ``QueueFullError`` at once."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running") from self.death
+        if self.draining:
+            raise EngineDrainingError("the server is shutting down")
+        stream = self.core.register(seq)
+        self._idle.clear()
+        self._inbox.put_nowait(Add(seq))
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a waiting or running request. False if no live request has this id."""
+        if request_id not in self.core.live:
+            return False
+        self._inbox.put_nowait(Abort(request_id))
+        return True
+
+    async def wait_idle(self) -> None:
+        """Return once no request is waiting or running."""
+        await self._idle.wait()
+
+    async def stop(self, grace: float = 0.0) -> None:
+        """Drain: refuse new requests, abort waiting ones, let running ones finish for up to
+        ``grace`` seconds, abort the rest, then end the engine task."""
+        self.draining = True
+        if self._task is None:
+            return
+        if not self._task.done():
+            self._inbox.put_nowait(Signal.DRAIN)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), timeout=grace)
+            self._inbox.put_nowait(Signal.ABORT_ALL)
+            self._inbox.put_nowait(Signal.SHUTDOWN)
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(self._task), timeout=2.0)
+        if not self._task.done():  # a model call that never returns: give up on it
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self.core.abort_all()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self) -> None:
+        try:
+            await self._loop()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as err:
+            log.exception("engine task died")
+            self._die(err)
+            raise
+
+    async def _loop(self) -> None:
+        core = self.core
+        while True:
+            if not core.scheduler.has_work():
+                self._idle.set()
+                message = await self._inbox.get()
+                self._idle.clear()
+                if not self._handle(message):
+                    return
+            if not self._drain_inbox():
+                return
+            plan = core.schedule()
+            if not plan.batch:
+                continue
+            try:
+                tokens = await self._execute(plan)
+            except Exception as err:
+                log.warning("model call failed for %d requests: %r", len(plan.batch), err)
+                self._drain_inbox()
+                core.fail(plan, err)
+            else:
+                if not self._drain_inbox():
+                    return
+                core.complete(plan, tokens)
+
+    async def _execute(self, plan: StepPlan) -> list[int]:
+        if self._executor is None:
+            return self.core.runner.execute(plan)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.core.runner.execute, plan)
+
+    def _drain_inbox(self) -> bool:
+        """Apply every queued message; False once SHUTDOWN is read."""
+        while not self._inbox.empty():
+            if not self._handle(self._inbox.get_nowait()):
+                return False
+        return True
+
+    def _handle(self, message: Message) -> bool:
+        core = self.core
+        if isinstance(message, Add):
+            core.add(message.seq)
+        elif isinstance(message, Abort):
+            core.abort(message.request_id)
+        elif message is Signal.DRAIN:
+            core.abort_waiting()
+        elif message is Signal.ABORT_ALL:
+            core.abort_all()
+        elif message is Signal.SHUTDOWN:
+            return False
+        return True
+
+    def _die(self, err: BaseException) -> None:
+        """End every open stream with an error at once, so no consumer hangs on a dead engine."""
+        self.death = err
+        dead = EngineDeadError(f"engine task died: {err!r}")
+        while not self._inbox.empty():
+            message = self._inbox.get_nowait()
+            if isinstance(message, Add):
+                self.core.scheduler.waiting.push(message.seq)
+        self.core.fail_all(dead)
+        for stream in list(self.core.live.values()):  # whatever the scheduler lost track of
+            stream.seq.error = dead
+            stream.seq.finish_reason = FinishReason.ERROR
+            stream.notify()
+        self.core.live.clear()

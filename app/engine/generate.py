@@ -1,0 +1,97 @@
+"""The seed's synchronous ``generate()``: the scheduling core driven to completion in a loop."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from app.engine.errors import ModelError
+from app.engine.runner import make_runner
+from app.engine.scheduler import Scheduler, StepPlan
+from app.engine.types import Request, Sequence
+from app.models.protocol import Model
+
+
+def generate(
+    model: Model,
+    requests: list[Request],
+    num_slots: int,
+    stop_token: int,
+    *,
+    include_stop: bool = False,
+    pad_sequence: list[int] | None = None,
+) -> dict[str, list[int]]:
+    """Serve ``requests`` with ``num_slots`` batch slots and return each one's generated tokens,
+    keyed by ``request_id`` in the order of ``requests``.
+
+    - ``max_tokens`` counts generated tokens only; ``max_tokens == 0`` gives ``[]`` and the
+      request never reaches the model.
+    - ``stop_token`` ends a request and is left out of its result unless ``include_stop``.
+    - Requests enter slots in list order; a slot freed in a step is refilled before the next
+      call, so every call carries ``min(num_slots, unfinished requests)`` sequences, or exactly
+      ``num_slots`` with ``pad_sequence`` (empty slots padded, their outputs ignored).
+    - Bad input raises ``ValueError`` naming the request before any model call. A model that
+      breaks its contract raises ``ModelOutputError``; one that raises makes this raise
+      ``ModelError`` chained to it. Either carries ``.partial``: every request's tokens so far.
+    """
+    validate_requests(requests, num_slots, stop_token)
+    scheduler = Scheduler(num_slots)
+    runner = make_runner(model, num_slots, pad_sequence)
+    seqs = [_sequence(request, stop_token, include_stop) for request in requests]
+    now = time.monotonic()
+    for seq in seqs:
+        scheduler.add(seq, now)
+    while scheduler.has_work():
+        plan = scheduler.schedule(time.monotonic())
+        tokens = _run_step(runner.execute, plan, seqs)
+        scheduler.apply(plan, tokens, time.monotonic())
+    return {seq.request_id: seq.generated for seq in seqs}
+
+
+def validate_requests(requests: Iterable[Request], num_slots: int, stop_token: int) -> None:
+    """Raise ``ValueError`` naming the first bad request, or the bad argument."""
+    if not _is_int(num_slots) or num_slots < 1:
+        raise ValueError(f"num_slots must be an integer >= 1, got {num_slots!r}")
+    if not _is_int(stop_token):
+        raise ValueError(f"stop_token must be an integer, got {stop_token!r}")
+    seen: set[str] = set()
+    for request in requests:
+        rid = request.request_id
+        if rid in seen:
+            raise ValueError(f"request {rid!r}: duplicate request_id")
+        seen.add(rid)
+        if not _is_int(request.max_tokens) or request.max_tokens < 0:
+            raise ValueError(f"request {rid!r}: max_tokens must be an integer >= 0")
+        if not isinstance(request.prompt, list) or not request.prompt:
+            raise ValueError(f"request {rid!r}: prompt must be a non-empty list of token ids")
+        bad = next((t for t in request.prompt if not _is_int(t)), None)
+        if bad is not None:
+            raise ValueError(f"request {rid!r}: prompt token {bad!r} is not an integer")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _sequence(request: Request, stop_token: int, include_stop: bool) -> Sequence:
+    return Sequence(
+        request_id=request.request_id,
+        tokens=list(request.prompt),
+        max_tokens=request.max_tokens,
+        stop_token_ids=frozenset((stop_token,)),
+        include_stop=include_stop,
+    )
+
+
+def _run_step(execute: object, plan: StepPlan, seqs: list[Sequence]) -> list[int]:
+    """Run one model call; on failure raise a ``ModelError`` carrying the partial results."""
+    assert callable(execute)
+    try:
+        tokens: list[int] = execute(plan)
+    except ModelError as err:
+        err.partial = {seq.request_id: seq.generated for seq in seqs}
+        raise
+    except Exception as err:
+        partial = {seq.request_id: seq.generated for seq in seqs}
+        raise ModelError(f"model call failed: {err!r}", partial) from err
+    return tokens

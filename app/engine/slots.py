@@ -1,0 +1,60 @@
+"""The fixed table of batch slots: which sequence holds which slot, and which slots are free."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+
+from app.engine.types import Sequence
+
+
+class SlotTable:
+    """``capacity`` slots, each empty or held by one sequence.
+
+    Free slots are handed out lowest index first, so a batch keeps a stable, compact order.
+    Invariant: ``len(free) + occupied == capacity`` and ``seq.slot == i`` for a sequence in slot i.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"num_slots must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._held: list[Sequence | None] = [None] * capacity
+        self._free: list[int] = list(range(capacity))  # a heap: lowest free index first
+        self._occupied = 0
+
+    @property
+    def occupied(self) -> int:
+        return self._occupied
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, seq: Sequence) -> int:
+        """Put ``seq`` in the lowest free slot and return its index. Raises if none is free."""
+        if not self._free:
+            raise RuntimeError("no free slot")
+        slot = heapq.heappop(self._free)
+        self._held[slot] = seq
+        seq.slot = slot
+        self._occupied += 1
+        return slot
+
+    def release(self, seq: Sequence) -> int:
+        """Free the slot ``seq`` holds and return its index."""
+        slot = seq.slot
+        if slot is None or self._held[slot] is not seq:
+            raise RuntimeError(f"request {seq.request_id!r} holds no slot")
+        self._held[slot] = None
+        seq.slot = None
+        self._occupied -= 1
+        heapq.heappush(self._free, slot)
+        return slot
+
+    def get(self, slot: int) -> Sequence | None:
+        return self._held[slot]
+
+    def running(self) -> Iterator[Sequence]:
+        """The held sequences in slot order."""
+        return (seq for seq in self._held if seq is not None)

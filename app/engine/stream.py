@@ -1,0 +1,66 @@
+"""A request's output stream: what ``Engine.submit()`` returns.
+
+It is a view over the request's ``Sequence`` plus one ``asyncio.Event``, not a queue: the engine
+appends tokens to the sequence and calls ``notify()``; the consumer takes every token generated
+since its last read in one ``Delta``. A consumer slower than the engine therefore gets fewer,
+larger deltas, and the stream holds nothing beyond the sequence itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from app.engine.types import FinishReason, Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """Tokens generated since the previous delta; the last delta has ``finish_reason`` set."""
+
+    tokens: list[int]
+    finish_reason: FinishReason | None = None
+    error: BaseException | None = None
+
+
+class RequestStream:
+    """Async iterator of ``Delta``s for one request, ending after the delta with a finish reason."""
+
+    __slots__ = ("_done", "_event", "_read", "seq")
+
+    def __init__(self, seq: Sequence) -> None:
+        self.seq = seq
+        self._read = seq.prompt_len
+        self._event = asyncio.Event()
+        self._done = False
+
+    @property
+    def request_id(self) -> str:
+        return self.seq.request_id
+
+    def notify(self) -> None:
+        """Engine side: new tokens or a finish are available."""
+        self._event.set()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self._done:
+            raise StopAsyncIteration
+        seq = self.seq
+        while len(seq.tokens) == self._read and seq.finish_reason is None:
+            self._event.clear()
+            await self._event.wait()
+        tokens = seq.tokens[self._read :]
+        self._read = len(seq.tokens)
+        if seq.finish_reason is not None:
+            self._done = True
+        return Delta(tokens, seq.finish_reason, seq.error)
+
+    async def collect(self) -> tuple[list[int], FinishReason, BaseException | None]:
+        """Wait for the end; return all generated tokens, the finish reason and any error."""
+        async for _ in self:
+            pass
+        assert self.seq.finish_reason is not None
+        return self.seq.generated, self.seq.finish_reason, self.seq.error

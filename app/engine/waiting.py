@@ -1,0 +1,36 @@
+"""The queue of requests waiting for a slot: first come, first served, O(1) removal by id."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from app.engine.types import Sequence
+
+
+class WaitingQueue:
+    """Sequences in arrival order; ``remove`` (an abort) is O(1) wherever the sequence stands."""
+
+    def __init__(self) -> None:
+        self._by_id: OrderedDict[str, Sequence] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._by_id
+
+    def push(self, seq: Sequence) -> None:
+        self._by_id[seq.request_id] = seq
+
+    def pop(self) -> Sequence:
+        """Remove and return the oldest sequence."""
+        return self._by_id.popitem(last=False)[1]
+
+    def remove(self, request_id: str) -> Sequence | None:
+        return self._by_id.pop(request_id, None)
+
+    def drain(self) -> list[Sequence]:
+        """Remove and return every sequence, oldest first."""
+        seqs = list(self._by_id.values())
+        self._by_id.clear()
+        return seqs

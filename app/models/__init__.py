@@ -1,0 +1,1 @@
+"""Models: the protocols the engine drives, and the mock models."""
