@@ -1,0 +1,5 @@
+"""``python -m app serve``."""
+
+from app.cli import main
+
+main()

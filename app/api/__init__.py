@@ -1,0 +1,1 @@
+"""HTTP API: routers, schemas, errors, streaming, middleware and the app factory."""

@@ -1,0 +1,43 @@
+"""Operational routes: ``/health``, ``/metrics`` (Prometheus) and ``/slots``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from app.api.deps import ServingDep, require_api_key
+from app.api.errors import error_body
+
+router = APIRouter(tags=["operations"])
+
+
+@router.get("/health", responses={503: {"description": "draining, or the engine is dead"}})
+async def health(serving: ServingDep) -> Response:
+    """200 while serving; 503 while draining for shutdown or once the engine task has died."""
+    engine = serving.engine
+    if serving.ready:
+        return JSONResponse({"status": "ok"})
+    state = "draining" if engine.draining else "engine_dead"
+    body = error_body(f"not serving: {state}", "service_unavailable", None, state)
+    return JSONResponse(body | {"status": state}, status_code=503)
+
+
+@router.get("/metrics")
+async def metrics(serving: ServingDep) -> Response:
+    """Prometheus text format, vLLM metric names (``vllm:*``) plus ``slotserve:*``."""
+    return Response(generate_latest(serving.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/slots", dependencies=[Depends(require_api_key)])
+async def slots(serving: ServingDep) -> dict[str, Any]:
+    """The slot table now: per slot its request, tokens generated, max_tokens and age."""
+    engine = serving.engine
+    return {
+        "num_slots": engine.config.num_slots,
+        "running": engine.core.num_running,
+        "waiting": engine.core.num_waiting,
+        "slots": serving.slots(),
+    }

@@ -1,0 +1,54 @@
+"""The FastAPI application factory. One app owns one ``Serving`` (one engine): run it with one
+uvicorn worker per process and scale out with replicas."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from sse_starlette.sse import AppStatus
+
+from app.api import admin, native, openai_compat
+from app.api.errors import install_error_handlers
+from app.api.limits import BodySizeLimit
+from app.api.streaming import ClientGone
+from app.config import Settings
+from app.models.protocol import Model
+from app.serving import Serving
+
+
+def create_app(settings: Settings | None = None, model: Model | None = None) -> FastAPI:
+    """Build the app; the engine starts with the lifespan and stops (draining) with it."""
+    settings = settings or Settings()
+    serving = Serving(settings, model)
+    # Streams are ended by our own drain (a final ``done`` event), not cut by sse-starlette.
+    AppStatus.disable_automatic_graceful_drain()  # type: ignore[no-untyped-call]
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await serving.start()
+        try:
+            yield
+        finally:
+            await serving.stop(grace=0.0)
+
+    app = FastAPI(
+        title="slotserve",
+        version="0.1.0",
+        summary="Continuous-batching LLM inference server",
+        lifespan=lifespan,
+    )
+    app.state.serving = serving
+    install_error_handlers(app)
+    app.add_exception_handler(ClientGone, _client_gone)
+    app.include_router(native.router)
+    app.include_router(openai_compat.router)
+    app.include_router(admin.router)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    return app
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    return Response(status_code=499)  # nobody reads it: the client has left

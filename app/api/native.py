@@ -1,0 +1,91 @@
+"""The native API: ``POST /generate`` (SSE or JSON) and ``DELETE /requests/{id}``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from app.api.deps import Authorized, ServingDep
+from app.api.errors import APIError, error_body
+from app.api.schemas import GenerateRequest
+from app.api.streaming import guarded, sse_event, sse_response, until_disconnected
+from app.engine.stream import RequestStream
+from app.engine.types import FinishReason
+from app.serving import GenerationParams, Serving
+
+router = APIRouter(tags=["native"], dependencies=Authorized)
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"description": "invalid request"},
+    401: {"description": "missing or invalid API key"},
+    409: {"description": "a live request already has this request_id"},
+    413: {"description": "body too large"},
+    429: {"description": "waiting queue full (see Retry-After)"},
+    503: {"description": "draining or engine dead"},
+}
+
+
+@router.post("/generate", responses=ERROR_RESPONSES)
+async def generate(body: GenerateRequest, request: Request, serving: ServingDep) -> Response:
+    """Generate tokens for one prompt: an SSE stream of ``token`` events then one ``done`` (or
+    ``error``) event, or with ``stream: false`` one JSON object shaped like ``done``."""
+    prompt = serving.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
+    params = GenerationParams(
+        prompt=prompt,
+        max_tokens=body.max_tokens,
+        stop_token_ids=body.stop_token_ids,
+        ignore_eos=body.ignore_eos,
+        request_id=body.request_id,
+        priority=body.priority,
+    )
+    stream = serving.submit(params)
+    if body.stream:
+        return sse_response(guarded(stream, serving, native_events(stream, serving)), serving)
+    await until_disconnected(request, stream.collect(), lambda: serving.abort(stream.request_id))
+    if stream.seq.finish_reason is FinishReason.ERROR:
+        return JSONResponse(error_payload(stream), status_code=500)
+    return JSONResponse(done_payload(stream, serving))
+
+
+@router.delete("/requests/{request_id}", responses={404: {"description": "unknown request"}})
+async def cancel(request_id: str, serving: ServingDep) -> dict[str, object]:
+    """Cancel a waiting or running request; its stream ends with ``finish_reason: abort``."""
+    if not serving.abort(request_id):
+        raise APIError(404, f"no live request with id {request_id!r}", "not_found_error",
+                       param="request_id", code="request_not_found")  # fmt: skip
+    return {"request_id": request_id, "cancelled": True}
+
+
+async def native_events(stream: RequestStream, serving: Serving) -> AsyncIterator[bytes]:
+    decoder = serving.tokenizer.stream_decoder()
+    rid = stream.request_id
+    async for delta in stream:
+        if delta.tokens:
+            text = decoder.feed(delta.tokens)
+            yield sse_event("token", {"request_id": rid, "tokens": delta.tokens, "text": text})
+        if delta.finish_reason is FinishReason.ERROR:
+            yield sse_event("error", error_payload(stream))
+        elif delta.finish_reason is not None:
+            yield sse_event("done", done_payload(stream, serving))
+
+
+def done_payload(stream: RequestStream, serving: Serving) -> dict[str, Any]:
+    seq = stream.seq
+    tokens = seq.generated
+    return {
+        "request_id": seq.request_id,
+        "finish_reason": seq.finish_reason.value if seq.finish_reason else None,
+        "tokens": tokens,
+        "text": serving.tokenizer.decode(tokens),
+        "usage": {"prompt_tokens": seq.prompt_len, "completion_tokens": len(tokens)},
+    }
+
+
+def error_payload(stream: RequestStream) -> dict[str, Any]:
+    body = error_body(f"model call failed: {stream.seq.error!r}", "server_error", None,
+                      "model_error")  # fmt: skip
+    body["request_id"] = stream.request_id
+    return body

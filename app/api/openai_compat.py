@@ -1,0 +1,232 @@
+"""OpenAI-compatible routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from app.api.deps import Authorized, ServingDep
+from app.api.errors import APIError, error_body
+from app.api.native import ERROR_RESPONSES
+from app.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIParams
+from app.api.stop_strings import StopStringMatcher
+from app.api.streaming import guarded, sse_event, sse_response, until_disconnected
+from app.engine.stream import RequestStream
+from app.engine.types import FinishReason
+from app.serving import GenerationParams, Serving
+
+router = APIRouter(prefix="/v1", tags=["openai"], dependencies=Authorized)
+DONE = b"data: [DONE]\n\n"
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@router.get("/models")
+async def list_models(serving: ServingDep) -> dict[str, Any]:
+    model = {
+        "id": serving.settings.model_name,
+        "object": "model",
+        "created": int(serving.started_at),
+        "owned_by": "slotserve",
+        "max_model_len": serving.settings.max_model_len,
+    }
+    return {"object": "list", "data": [model]}
+
+
+@router.post("/completions", responses=ERROR_RESPONSES)
+async def completions(body: CompletionRequest, request: Request, serving: ServingDep) -> Response:
+    ids = completion_prompt_ids(body, serving)
+    max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
+    run = _start(serving, body, ids, max_tokens, "cmpl")
+    shape = CompletionShape(run.id, serving.settings.model_name)
+    return await _respond(run, body, request, serving, shape)
+
+
+@router.post("/chat/completions", responses=ERROR_RESPONSES)
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, serving: ServingDep
+) -> Response:
+    ids = serving.tokenizer.encode(render_chat(body))
+    max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
+    run = _start(serving, body, ids, max_tokens, "chatcmpl")
+    shape = ChatShape(run.id, serving.settings.model_name)
+    return await _respond(run, body, request, serving, shape)
+
+
+def render_chat(body: ChatCompletionRequest) -> str:
+    """The mock's chat template: one ``role: content`` line per message, then the reply's cue."""
+    lines = [f"{m.role}: {m.text()}" for m in body.messages]
+    return "\n".join([*lines, "assistant: "])
+
+
+def completion_prompt_ids(body: CompletionRequest, serving: Serving) -> list[int]:
+    """A completion prompt (text, token ids, or a one-element list of either) as token ids."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return serving.tokenizer.encode(prompt)
+    first = prompt[0]
+    if isinstance(first, str):
+        return serving.tokenizer.encode(first)
+    if isinstance(first, list):
+        return list(first)
+    return [token for token in prompt if isinstance(token, int)]
+
+
+@dataclass
+class Run:
+    """One OpenAI request in flight: its engine stream and its text post-processing."""
+
+    id: str
+    stream: RequestStream
+    matcher: StopStringMatcher
+    created: int
+
+
+def _start(
+    serving: Serving, body: OpenAIParams, ids: list[int], max_tokens: int | None, prefix: str
+) -> Run:
+    if body.model is not None and body.model != serving.settings.model_name:
+        raise APIError(404, f"model {body.model!r} does not exist; this server serves "
+                       f"{serving.settings.model_name!r}", "not_found_error", param="model",
+                       code="model_not_found")  # fmt: skip
+    params = GenerationParams(
+        prompt=ids, max_tokens=max_tokens, stop_token_ids=body.stop_token_ids,
+        ignore_eos=body.ignore_eos,
+    )  # fmt: skip
+    stream = serving.submit(params, id_prefix=prefix)
+    return Run(stream.request_id, stream, StopStringMatcher(body.stop_strings()), int(time.time()))
+
+
+async def _texts(run: Run, serving: Serving) -> AsyncIterator[tuple[str, str | None]]:
+    """(text delta, finish reason or None) pairs; a stop string ends the request early."""
+    decoder = serving.tokenizer.stream_decoder()
+    async for delta in run.stream:
+        text = run.matcher.feed(decoder.feed(delta.tokens))
+        if run.matcher.hit:
+            serving.abort(run.id)
+            yield text, FinishReason.STOP.value
+            return
+        if delta.finish_reason is FinishReason.ERROR:
+            raise _ModelFailed(run.stream)
+        if delta.finish_reason is not None:
+            text += run.matcher.feed(decoder.flush()) + run.matcher.flush()
+            yield text, delta.finish_reason.value
+            return
+        if text:
+            yield text, None
+
+
+class _ModelFailed(Exception):
+    def __init__(self, stream: RequestStream) -> None:
+        super().__init__(f"model call failed: {stream.seq.error!r}")
+
+
+def _usage(stream: RequestStream) -> dict[str, int]:
+    seq = stream.seq
+    return {
+        "prompt_tokens": seq.prompt_len,
+        "completion_tokens": seq.num_generated,
+        "total_tokens": seq.prompt_len + seq.num_generated,
+    }
+
+
+async def _respond(
+    run: Run, body: OpenAIParams, request: Request, serving: Serving, shape: Shape
+) -> Response:
+    if body.stream:
+        usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = _stream_chunks(run, serving, shape, usage)
+        return sse_response(guarded(run.stream, serving, chunks), serving)
+    abort = lambda: serving.abort(run.id)  # noqa: E731
+    text, reason = await until_disconnected(request, _collect(run, serving), abort)
+    return JSONResponse(shape.whole(text, reason, _usage(run.stream), run.created))
+
+
+async def _collect(run: Run, serving: Serving) -> tuple[str, str | None]:
+    parts: list[str] = []
+    reason: str | None = None
+    try:
+        async for text, reason in _texts(run, serving):  # noqa: B007
+            parts.append(text)
+    except _ModelFailed as err:
+        raise APIError(500, str(err), "server_error", code="model_error") from err
+    return "".join(parts), reason
+
+
+async def _stream_chunks(
+    run: Run, serving: Serving, shape: Shape, include_usage: bool
+) -> AsyncIterator[bytes]:
+    for first in shape.opening(run.created):
+        yield sse_event(None, first)
+    try:
+        async for text, reason in _texts(run, serving):
+            yield sse_event(None, shape.chunk(text, reason, run.created))
+    except _ModelFailed as err:
+        yield sse_event(None, error_body(str(err), "server_error", None, "model_error"))
+        return
+    if include_usage:
+        yield sse_event(None, shape.usage_chunk(_usage(run.stream), run.created))
+    yield DONE
+
+
+class Shape:
+    """How one route lays out its response objects."""
+
+    object_whole = ""
+    object_chunk = ""
+
+    def __init__(self, request_id: str, model: str) -> None:
+        self.id, self.model = request_id, model
+
+    def envelope(self, obj: str, created: int, choices: list[Any]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": created, "model": self.model,
+                "choices": choices}  # fmt: skip
+
+    def opening(self, created: int) -> list[dict[str, Any]]:
+        return []
+
+    def whole(
+        self, text: str, reason: str | None, usage: dict[str, int], created: int
+    ) -> dict[str, Any]:
+        return self.envelope(self.object_whole, created, [self.choice(text, reason)]) | {
+            "usage": usage
+        }
+
+    def chunk(self, text: str, reason: str | None, created: int) -> dict[str, Any]:
+        return self.envelope(self.object_chunk, created, [self.delta(text, reason)])
+
+    def usage_chunk(self, usage: dict[str, int], created: int) -> dict[str, Any]:
+        return self.envelope(self.object_chunk, created, []) | {"usage": usage}
+
+    choice: Callable[..., dict[str, Any]]
+    delta: Callable[..., dict[str, Any]]
+
+
+class CompletionShape(Shape):
+    object_whole = object_chunk = "text_completion"
+
+    def choice(self, text: str, reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+
+    delta = choice
+
+
+class ChatShape(Shape):
+    object_whole = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+
+    def opening(self, created: int) -> list[dict[str, Any]]:
+        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        return [self.envelope(self.object_chunk, created, [first])]
+
+    def choice(self, text: str, reason: str | None) -> dict[str, Any]:
+        message = {"role": "assistant", "content": text}
+        return {"index": 0, "message": message, "finish_reason": reason, "logprobs": None}
+
+    def delta(self, text: str, reason: str | None) -> dict[str, Any]:
+        content = {"content": text} if text else {}
+        return {"index": 0, "delta": content, "finish_reason": reason, "logprobs": None}

@@ -1,0 +1,91 @@
+"""Request bodies. Integers are strict (``"5"`` and ``5.0`` are refused), unknown OpenAI fields
+are ignored so real clients work; semantic checks (vocabulary, context length) live in
+``app.serving``."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+TokenId = Annotated[StrictInt, Field(ge=0)]
+RequestId = Annotated[
+    StrictStr, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")
+]
+MaxTokens = Annotated[StrictInt, Field(ge=0)]
+
+
+class GenerateRequest(BaseModel):
+    """``POST /generate``: the native API."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: (
+        Annotated[list[TokenId], Field(min_length=1)] | Annotated[StrictStr, Field(min_length=1)]
+    )
+    max_tokens: MaxTokens | None = Field(None, description="generated tokens at most")
+    stream: StrictBool = True
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
+    request_id: RequestId | None = Field(None, description="client id; a live duplicate: 409")
+    priority: StrictInt = Field(0, description="accepted; honoured by a later policy")
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class OpenAIParams(BaseModel):
+    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    max_tokens: MaxTokens | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: (
+        Annotated[StrictStr, Field(min_length=1)]
+        | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=16)]
+        | None
+    ) = None
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
+    ignore_eos: StrictBool = False
+    seed: StrictInt | None = Field(None, description="accepted; the mock is deterministic")
+    n: Literal[1] = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(OpenAIParams):
+    prompt: (
+        Annotated[StrictStr, Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
+        | Annotated[list[list[TokenId]], Field(min_length=1, max_length=1)]
+    )
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: StrictStr | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(str(part.get("text", "")) for part in self.content)
+
+
+class ChatCompletionRequest(OpenAIParams):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: MaxTokens | None = None

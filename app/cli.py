@@ -1,0 +1,79 @@
+"""``slotserve serve [flags]`` (also ``python -m app serve``). Every flag mirrors a ``Settings``
+field and its ``SLOTSERVE_<FIELD>`` environment variable; a flag wins over the environment."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import SecretStr
+
+from app.config import Settings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="slotserve", description="A continuous-batching LLM inference server."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve",
+        help="serve the built-in mock model over HTTP",
+        description="Serve over HTTP. Each flag can also be set as SLOTSERVE_<FLAG> (e.g. "
+        "SLOTSERVE_NUM_SLOTS=64).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for name, field in Settings.model_fields.items():
+        _add_flag(serve, name, field.annotation, field.default, field.description or "")
+    return parser
+
+
+def _add_flag(
+    parser: argparse.ArgumentParser, name: str, annotation: Any, default: Any, help: str
+) -> None:
+    flag = "--" + name.replace("_", "-")
+    env = f"SLOTSERVE_{name.upper()}"
+    kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS}
+    choices = _literal_choices(annotation)
+    if choices:
+        kwargs["choices"] = choices
+    elif annotation in (int, float):
+        kwargs["type"] = annotation
+    shown = "(unset)" if default is None else default
+    parser.add_argument(flag, help=f"{help} [env {env}; default {shown}]", **kwargs)
+
+
+def _literal_choices(annotation: Any) -> list[str] | None:
+    if typing.get_origin(annotation) is typing.Literal:
+        return [str(arg) for arg in typing.get_args(annotation)]
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = vars(build_parser().parse_args(argv))
+    command = args.pop("command")
+    settings = Settings(**args)
+    if command == "serve":
+        serve(settings)
+
+
+def serve(settings: Settings) -> None:
+    from app.api.app import create_app
+    from app.server import run
+
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    key = "set" if isinstance(settings.api_key, SecretStr) else "unset"
+    logging.getLogger("slotserve").info(
+        "serving %s on %s:%d with %d slots (api key %s)",
+        settings.model_name, settings.host, settings.port, settings.num_slots, key,
+    )  # fmt: skip
+    run(create_app(settings), settings.host, settings.port, settings.log_level)
+
+
+if __name__ == "__main__":
+    main()

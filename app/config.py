@@ -1,0 +1,44 @@
+"""Server settings: one ``Settings`` object, from command-line flags or ``SLOTSERVE_*`` variables.
+
+Every field is a flag of ``slotserve serve`` (``num_slots`` -> ``--num-slots``) and an environment
+variable (``SLOTSERVE_NUM_SLOTS``); a flag wins over the environment, which wins over the default.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SLOTSERVE_", extra="ignore")
+
+    host: str = Field("127.0.0.1", description="address to bind (0.0.0.0 in containers)")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port")
+    num_slots: int = Field(32, ge=1, le=4096, description="batch slots: requests decoded at once")
+    max_waiting: int = Field(1024, ge=0, description="waiting-queue bound; past it: 429")
+    max_model_len: int = Field(8192, ge=2, description="context length: prompt + max_tokens")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request omits it")
+    batching: Literal["continuous", "static"] = Field(
+        "continuous", description="admission policy (static: only into an empty batch)"
+    )
+    model_name: str = Field("slotserve-mock", description="model id served and reported")
+    model: Literal["mock", "cached-mock"] = Field(
+        "cached-mock", description="built-in model: stateless mock or per-slot KV-cache mock"
+    )
+    mock_step_ms: float = Field(0.0, ge=0, description="simulated decode step latency (ms)")
+    mock_per_seq_ms: float = Field(0.0, ge=0, description="extra step latency per sequence (ms)")
+    mock_prefill_ms: float = Field(0.0, ge=0, description="extra latency per prompt token (ms)")
+    mock_jitter: float = Field(0.0, ge=0, le=0.3, description="step latency std-dev / mean")
+    mock_stop_probability: float = Field(
+        0.01, ge=0, le=1, description="chance per token that the mock ends its output"
+    )
+    seed: int = Field(0, description="mock model seed (a request's own seed overrides)")
+    api_key: SecretStr | None = Field(None, description="require 'Authorization: Bearer <key>'")
+    shutdown_grace: float = Field(10.0, ge=0, description="seconds in-flight streams may finish")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="request body limit; past it: 413")
+    send_timeout: float = Field(30.0, gt=0, description="seconds a slow reader may stall a send")
+    sse_ping_seconds: float = Field(15.0, gt=0, description="SSE keep-alive comment interval")
+    log_level: str = Field("info", description="uvicorn and slotserve log level")

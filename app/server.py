@@ -1,0 +1,70 @@
+"""Running the app under uvicorn with a graceful drain on SIGTERM.
+
+uvicorn alone would stop listening at once and wait for open streams without ending them. Here
+the first SIGTERM/SIGINT starts a drain instead: ``/health`` and new requests answer 503, running
+requests may finish within ``shutdown_grace`` seconds, the rest end with a ``done`` event whose
+``finish_reason`` is ``abort``; only then is uvicorn told to exit. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+from app.serving import Serving
+
+log = logging.getLogger("slotserve.server")
+EXIT_MARGIN = 1.5  # seconds uvicorn may take to close idle connections after the drain
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, serving: Serving) -> None:
+        super().__init__(config)
+        self.serving = serving
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain is not None or self._loop is None or not self.started:
+            super().handle_exit(sig, frame)  # second signal, or not serving yet: exit now
+            if self._drain is not None:
+                self.force_exit = True
+            return
+        self._loop.call_soon_threadsafe(self._start_drain, sig, frame)
+
+    def _start_drain(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain is None:
+            self._drain = asyncio.create_task(self._drain_then_exit(sig, frame))
+
+    async def _drain_then_exit(self, sig: int, frame: FrameType | None) -> None:
+        grace = self.serving.settings.shutdown_grace
+        log.info("signal %d: draining for up to %.1f s", sig, grace)
+        try:
+            await self.serving.stop(grace)
+        finally:
+            super().handle_exit(sig, frame)
+
+
+def run(app: FastAPI, host: str, port: int, log_level: str) -> None:
+    """Serve ``app`` (one worker: the engine lives in this process) until drained."""
+    serving: Serving = app.state.serving
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        workers=1,
+        lifespan="on",
+        timeout_graceful_shutdown=int(EXIT_MARGIN + 0.5),
+        timeout_keep_alive=5,
+    )
+    DrainingServer(config, serving).run()

@@ -1,0 +1,165 @@
+"""The serving context: one engine, its model, tokenizer, metrics and settings, and the checks a
+request passes before it reaches the engine. The HTTP routes hold nothing else."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from app.api.errors import APIError
+from app.config import Settings
+from app.engine.core import EngineConfig
+from app.engine.engine import Engine
+from app.engine.errors import (
+    DuplicateRequestError,
+    EngineDeadError,
+    EngineDrainingError,
+    QueueFullError,
+)
+from app.engine.scheduler import BatchingPolicy
+from app.engine.stream import RequestStream
+from app.engine.types import Sequence
+from app.metrics import EngineMetrics
+from app.models.cached_mock import CachedMockModel
+from app.models.latency import LatencyProfile
+from app.models.mock import MockModel
+from app.models.mock_language import MockLanguage
+from app.models.protocol import Model
+from app.models.tokenizer import ByteTokenizer
+
+
+@dataclass(slots=True)
+class GenerationParams:
+    """A validated-shape request, before the context-length and vocabulary checks."""
+
+    prompt: list[int]
+    max_tokens: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    request_id: str | None = None
+    priority: int = 0
+
+
+def build_model(settings: Settings) -> Model:
+    """The built-in mock named by ``settings.model``, with the configured latency."""
+    language = MockLanguage(seed=settings.seed, stop_probability=settings.mock_stop_probability)
+    latency = LatencyProfile(
+        base_ms=settings.mock_step_ms,
+        per_seq_ms=settings.mock_per_seq_ms,
+        per_prefill_token_ms=settings.mock_prefill_ms,
+        jitter=settings.mock_jitter,
+    )
+    if settings.model == "mock":
+        return MockModel(language, latency)
+    return CachedMockModel(settings.num_slots, language, latency)
+
+
+class Serving:
+    """Owns the engine for one server process."""
+
+    def __init__(self, settings: Settings, model: Model | None = None) -> None:
+        self.settings = settings
+        self.tokenizer = ByteTokenizer()
+        self.model = model if model is not None else build_model(settings)
+        self.metrics = EngineMetrics(settings.model_name, settings.num_slots)
+        config = EngineConfig(
+            num_slots=settings.num_slots,
+            max_waiting=settings.max_waiting,
+            policy=BatchingPolicy(settings.batching),
+        )
+        self.engine = Engine(self.model, config, observer=self.metrics)
+        usage = getattr(self.model, "cache_usage", None)
+        self.metrics.bind(self.engine.core, usage if callable(usage) else None)
+        self.started_at = time.time()
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def ready(self) -> bool:
+        return self.engine.alive and not self.engine.draining
+
+    async def start(self) -> None:
+        await self.engine.start()
+
+    async def stop(self, grace: float = 0.0) -> None:
+        await self.engine.stop(grace)
+
+    def submit(self, params: GenerationParams, id_prefix: str = "gen") -> RequestStream:
+        """Validate ``params`` against the model and queue the request; ``APIError`` if refused."""
+        seq = self._sequence(params, id_prefix)
+        try:
+            return self.engine.submit(seq)
+        except QueueFullError as err:
+            self.metrics.reject("queue_full")
+            raise APIError(429, str(err), "overloaded_error", code="queue_full",
+                           headers={"Retry-After": "1"}) from err  # fmt: skip
+        except DuplicateRequestError as err:
+            self.metrics.reject("duplicate_id")
+            raise APIError(409, str(err), param="request_id", code="duplicate_request_id") from err
+        except EngineDrainingError as err:
+            self.metrics.reject("draining")
+            raise APIError(503, str(err), "service_unavailable", code="draining") from err
+        except EngineDeadError as err:
+            self.metrics.reject("engine_dead")
+            raise APIError(503, str(err), "service_unavailable", code="engine_dead") from err
+
+    def abort(self, request_id: str) -> bool:
+        return self.engine.abort(request_id)
+
+    def slots(self) -> list[dict[str, object]]:
+        """The slot table now, one entry per slot (like llama.cpp's ``/slots``)."""
+        table, now = self.engine.core.scheduler.slots, time.monotonic()
+        out: list[dict[str, object]] = []
+        for index in range(table.capacity):
+            seq = table.get(index)
+            entry: dict[str, object] = {"id": index, "is_processing": seq is not None}
+            if seq is not None:
+                entry |= {
+                    "request_id": seq.request_id,
+                    "prompt_tokens": seq.prompt_len,
+                    "n_decoded": seq.num_generated,
+                    "max_tokens": seq.max_tokens,
+                    "n_remain": seq.max_tokens - seq.num_generated,
+                    "age_seconds": round(now - seq.times.arrival, 6),
+                }
+            out.append(entry)
+        return out
+
+    def _sequence(self, params: GenerationParams, id_prefix: str) -> Sequence:
+        settings, vocab = self.settings, self.tokenizer.vocab_size
+        prompt = params.prompt
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", param="prompt", code="empty_prompt")
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})",
+                           param="prompt", code="invalid_token_id")  # fmt: skip
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"stop token id {bad} is outside the vocabulary [0, {vocab})",
+                           param="stop_token_ids", code="invalid_token_id")  # fmt: skip
+        room = settings.max_model_len - len(prompt)
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = min(settings.default_max_tokens, max(room, 0))
+        if room < 0 or max_tokens > room:
+            raise APIError(
+                400,
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                f"context length of {settings.max_model_len} tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops.add(self.eos_token_id)
+        return Sequence(
+            request_id=params.request_id or f"{id_prefix}-{uuid.uuid4().hex}",
+            tokens=list(prompt),
+            max_tokens=max_tokens,
+            stop_token_ids=frozenset(stops),
+            priority=params.priority,
+        )
