@@ -7,13 +7,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.api.errors import error_json
 
 
-class BodyTooLarge(Exception):
-    pass
-
-
 class BodySizeLimit:
-    """Answers 413 when a request body exceeds ``max_bytes``: at once from ``Content-Length``,
-    or as soon as the streamed body passes the limit."""
+    """Answers 413 when a request body exceeds ``max_bytes``: at once from ``Content-Length``;
+    a body without one (chunked) is read up to the limit first, then replayed to the app."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -24,38 +20,40 @@ class BodySizeLimit:
             await self.app(scope, receive, send)
             return
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+        if declared is not None:
+            if declared.isdigit() and int(declared) > self.max_bytes:
+                await self._reject(send)
+                return
+            await self.app(scope, receive, send)
+            return
+        buffered = await self._read_limited(receive)
+        if buffered is None:
             await self._reject(send)
             return
-        received = 0
-        started = False
 
-        async def limited_receive() -> Message:
-            nonlocal received
+        async def replay() -> Message:
+            return buffered.pop(0) if buffered else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _read_limited(self, receive: Receive) -> list[Message] | None:
+        """The body's messages, or None once they pass ``max_bytes``."""
+        messages: list[Message] = []
+        size = 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise BodyTooLarge
-            return message
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except BodyTooLarge:
-            if not started:
-                await self._reject(send)
+            messages.append(message)
+            if message["type"] != "http.request":
+                return messages
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                return None
+            if not message.get("more_body", False):
+                return messages
 
     async def _reject(self, send: Send) -> None:
         body = error_json(413, f"request body exceeds {self.max_bytes} bytes",
                           "invalid_request_error", "request_too_large")  # fmt: skip
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-        ]
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
         await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": body})

@@ -75,10 +75,12 @@ class Engine:
     def submit(self, seq: Sequence) -> RequestStream:
         """Queue ``seq`` and return its output stream. Raises ``EngineDeadError``,
         ``EngineDrainingError``, ``DuplicateRequestError`` or ``QueueFullError`` at once."""
-        if not self.alive:
-            raise EngineDeadError("the engine is not running") from self.death
+        if self.death is not None:
+            raise EngineDeadError(f"the engine task died: {self.death!r}") from self.death
         if self.draining:
             raise EngineDrainingError("the server is shutting down")
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
         stream = self.core.register(seq)
         self._idle.clear()
         self._inbox.put_nowait(Add(seq))

@@ -1,0 +1,123 @@
+"""OpenAI-compatible routes through the ASGI app (the real `openai` client runs in test_e2e)."""
+
+from __future__ import annotations
+
+from app.api.stop_strings import StopStringMatcher
+from conftest import ClientFactory
+from sse import parse_sse
+
+
+async def test_models_lists_the_served_model(make_client: ClientFactory) -> None:
+    async with make_client(model_name="m1") as client:
+        data = (await client.get("/v1/models")).json()
+        assert [m["id"] for m in data["data"]] == ["m1"]
+
+
+async def test_completion_text_matches_native_generate(make_client: ClientFactory) -> None:
+    async with make_client() as client:
+        native = (
+            await client.post(
+                "/generate", json={"prompt": "Once ", "max_tokens": 40, "stream": False}
+            )
+        ).json()
+        r = await client.post(
+            "/v1/completions", json={"model": "slotserve-mock", "prompt": "Once ", "max_tokens": 40}
+        )
+        body = r.json()
+        assert body["object"] == "text_completion"
+        assert body["choices"][0]["text"] == native["text"]
+        assert body["choices"][0]["finish_reason"] == native["finish_reason"]
+        assert body["usage"]["completion_tokens"] == len(native["tokens"])
+
+
+async def test_streamed_completion_concatenates_to_the_whole_and_ends_with_done(
+    make_client: ClientFactory,
+) -> None:
+    async with make_client() as client:
+        whole = (
+            await client.post("/v1/completions", json={"prompt": "Once ", "max_tokens": 60})
+        ).json()
+        r = await client.post(
+            "/v1/completions",
+            json={
+                "prompt": "Once ",
+                "max_tokens": 60,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+        events = parse_sse(r.text)
+        assert events[-1].data == "[DONE]"
+        usage = events[-2].data
+        assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+        chunks = [e.data for e in events[:-2]]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+
+
+async def test_stop_string_truncates_and_finishes_with_stop(make_client: ClientFactory) -> None:
+    async with make_client() as client:
+        free = (
+            await client.post(
+                "/v1/completions", json={"prompt": "Once ", "max_tokens": 200, "ignore_eos": True}
+            )
+        ).json()
+        text = free["choices"][0]["text"]
+        stop = text[10:13]
+        expected = text[: text.index(stop)]
+        for stream in (False, True):
+            r = await client.post(
+                "/v1/completions",
+                json={
+                    "prompt": "Once ",
+                    "max_tokens": 200,
+                    "ignore_eos": True,
+                    "stop": [stop],
+                    "stream": stream,
+                },
+            )
+            if stream:
+                chunks = [e.data for e in parse_sse(r.text)[:-1]]
+                got = "".join(c["choices"][0]["text"] for c in chunks)
+                reason = chunks[-1]["choices"][0]["finish_reason"]
+            else:
+                got, reason = (
+                    r.json()["choices"][0]["text"],
+                    r.json()["choices"][0]["finish_reason"],
+                )
+            assert got == expected
+            assert reason == "stop"
+
+
+def test_stop_string_matcher_never_releases_part_of_a_stop_string() -> None:
+    matcher = StopStringMatcher(["END"])
+    out = [matcher.feed(piece) for piece in ["abc E", "N", "x E", "ND tail"]]
+    assert "".join(out) == "abc ENx "
+    assert matcher.hit and matcher.flush() == ""
+
+
+async def test_chat_completion_shapes(make_client: ClientFactory) -> None:
+    async with make_client() as client:
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 30}
+        whole = (await client.post("/v1/chat/completions", json=body)).json()
+        assert whole["object"] == "chat.completion"
+        message = whole["choices"][0]["message"]
+        assert message["role"] == "assistant" and message["content"]
+        events = parse_sse(
+            (await client.post("/v1/chat/completions", json=body | {"stream": True})).text
+        )
+        chunks = [e.data for e in events[:-1]]
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        assert text == message["content"]
+
+
+async def test_unknown_model_is_404_and_bad_fields_are_400(make_client: ClientFactory) -> None:
+    async with make_client() as client:
+        r = await client.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        r = await client.post("/v1/chat/completions", json={"messages": []})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        r = await client.post("/v1/completions", json={"prompt": "x", "n": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
