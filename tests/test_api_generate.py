@@ -6,11 +6,11 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
+from conftest import ClientFactory, serving_of
+from sse import parse_sse
 
 from app.engine.types import FinishReason
 from app.serving import GenerationParams
-from conftest import ClientFactory, serving_of
-from sse import parse_sse
 
 PROMPT = "The quick brown fox "
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from app.api.stop_strings import StopStringMatcher
 from conftest import ClientFactory
 from sse import parse_sse
+
+from app.api.stop_strings import StopStringMatcher
 
 
 async def test_models_lists_the_served_model(make_client: ClientFactory) -> None:

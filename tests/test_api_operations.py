@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from app.serving import GenerationParams
 from conftest import ClientFactory, serving_of
+
+from app.serving import GenerationParams
 
 
 async def test_health_is_200_while_serving_and_503_once_draining(
