@@ -1,0 +1,83 @@
+"""Real ``python -m app serve`` processes on 127.0.0.1 for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+STARTUP_TIMEOUT = 20.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen[bytes]
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def terminate(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+
+    def wait_exit(self, timeout: float) -> int:
+        return self.process.wait(timeout=timeout)
+
+
+@contextmanager
+def running_server(
+    *flags: str, env: dict[str, str] | None = None, stderr: Any = None
+) -> Iterator[ServerProcess]:
+    """Start a server with ``flags`` on a free port; wait until /health is 200; kill it after."""
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "app",
+        "serve",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *flags,
+    ]
+    process = subprocess.Popen(command, env={**os.environ, **(env or {})}, stderr=stderr)
+    server = ServerProcess(process, port)
+    try:
+        _wait_healthy(server)
+        yield server
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=10)
+
+
+def _wait_healthy(server: ServerProcess) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"server exited early with {server.process.returncode}")
+        try:
+            if httpx.get(server.url + "/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)  # waiting for another process to bind: there is no event to await
+    raise TimeoutError("server did not become healthy")
