@@ -29,6 +29,7 @@ async def app_client(
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             client.serving = app.state.serving  # type: ignore[attr-defined]
+            client.asgi_app = app  # type: ignore[attr-defined]
             yield client
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import pytest
@@ -226,3 +227,41 @@ async def test_unknown_route_uses_the_error_shape(make_client: ClientFactory) ->
         r = await client.get("/nope")
         assert r.status_code == 404
         assert r.json()["error"]["type"] == "not_found_error"
+
+
+async def test_a_reader_that_stops_reading_is_cancelled_after_the_send_timeout(
+    make_client: ClientFactory,
+) -> None:
+    async with make_client(send_timeout=0.2, mock_step_ms=1) as client:
+        serving = serving_of(client)
+        body = json.dumps({"prompt": "x", "max_tokens": 5000, "ignore_eos": True}).encode()
+        stalled = asyncio.Event()
+        never = asyncio.Event()
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict[str, object]:
+            if messages:
+                return messages.pop()
+            await never.wait()  # the client neither reads nor leaves
+            raise AssertionError
+
+        async def send(message: dict[str, object]) -> None:
+            if message["type"] == "http.response.body" and message.get("body"):
+                stalled.set()
+                await never.wait()  # a full socket buffer: this send never completes
+
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+            "scheme": "http", "path": "/generate", "raw_path": b"/generate", "query_string": b"",
+            "root_path": "", "headers": [(b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode())], "client": ("t", 1), "server": ("t", 80),
+        }  # fmt: skip
+        await asyncio.wait_for(client.asgi_app(scope, receive, send), timeout=10)  # type: ignore[attr-defined]
+        assert stalled.is_set()
+        await asyncio.wait_for(serving.engine.wait_idle(), timeout=10)
+        assert serving.engine.core.live == {}  # aborted: its slot is free
+        text = (await client.get("/metrics")).text
+        assert (
+            'vllm:request_success_total{finished_reason="abort",model_name="slotserve-mock"} 1.0'
+            in text
+        )

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
-from sse_starlette.sse import EventSourceResponse
+from sse_starlette.sse import EventSourceResponse, SendTimeoutError
 from starlette.requests import Request
-from starlette.types import Receive
+from starlette.types import Receive, Scope, Send
 
 from app.engine.stream import RequestStream
 from app.serving import Serving
 
 T = TypeVar("T")
+log = logging.getLogger("slotserve.api")
 
 
 def sse_event(event: str | None, data: Any) -> bytes:
@@ -25,12 +27,23 @@ def sse_event(event: str | None, data: Any) -> bytes:
     return f"event: {event}\ndata: {payload}\n\n".encode()
 
 
+class EventStream(EventSourceResponse):
+    """An SSE response for which a reader too slow to take a send within ``send_timeout`` is
+    an expected outcome (logged, the request aborted by ``guarded``), not a server error."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except SendTimeoutError:
+            log.info("cancelled a stream whose reader stalled for %.1f s", self.send_timeout)
+
+
 def sse_response(events: AsyncIterator[bytes], serving: Serving) -> EventSourceResponse:
     """Stream ``events``. sse-starlette watches for the client's ``http.disconnect`` and closes
     the generator (whose ``finally`` aborts the request); a send blocked longer than
     ``send_timeout`` does the same, so a reader that stops reading frees its slot."""
     settings = serving.settings
-    return EventSourceResponse(
+    return EventStream(
         events, ping=settings.sse_ping_seconds, send_timeout=settings.send_timeout, sep="\n"
     )
 
