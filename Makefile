@@ -20,8 +20,8 @@ serve: $(STAMP)  ## serve the built-in mock on 127.0.0.1:8000
 test: $(STAMP) lint typecheck unit  ## ruff, mypy and the whole pytest suite
 
 lint: $(STAMP)
-	$(BIN)/ruff check app tests benchmarks
-	$(BIN)/ruff format --check app tests benchmarks
+	$(BIN)/ruff check app tests benchmarks docker
+	$(BIN)/ruff format --check app tests benchmarks docker
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

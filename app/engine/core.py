@@ -20,7 +20,7 @@ from app.engine.types import Sequence
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     num_slots: int = 8
-    max_waiting: int = 1024  # requests admitted to the waiting queue before submit() refuses
+    max_waiting: int = 1024  # requests that may wait beyond the free slots before submit() refuses
     policy: BatchingPolicy = BatchingPolicy.CONTINUOUS
     offload_model_calls: bool = True  # run each model call in a worker thread
 
@@ -63,8 +63,11 @@ class EngineCore:
         """Accept a new request (before it reaches the scheduler) or refuse it."""
         if seq.request_id in self.live:
             raise DuplicateRequestError(f"request id {seq.request_id!r} is already in use")
-        if self.num_waiting >= self.config.max_waiting:
-            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
+        if len(self.live) >= self.config.num_slots + self.config.max_waiting:
+            raise QueueFullError(
+                f"all {self.config.num_slots} slots are busy and the waiting queue is full "
+                f"({self.config.max_waiting} requests)"
+            )
         stream = RequestStream(seq)
         self.live[seq.request_id] = stream
         return stream

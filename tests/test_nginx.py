@@ -1,0 +1,501 @@
+"""nginx in front of real slotserve replicas, all on 127.0.0.1.
+
+The configuration is ``docker/nginx.conf.template`` rendered by ``docker/render_nginx.py``, the
+same template (and renderer) that produces the ``docker/nginx.conf`` docker-compose mounts; only
+the listen address and the replica addresses differ. Each replica is a real
+``python -m app serve`` process; nginx runs in the foreground with its prefix (pid file, temp
+directories) in a temporary directory.
+
+The tests are skipped only when no nginx binary is found (``.ci/run`` installs Debian's
+``nginx-light``). Select them with ``pytest -k nginx``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from types import ModuleType
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parents[1]
+NGINX_CANDIDATES = ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/nginx/sbin/nginx")
+NGINX = shutil.which("nginx") or next(
+    (path for path in NGINX_CANDIDATES if os.access(path, os.X_OK)), None
+)
+pytestmark = pytest.mark.skipif(
+    NGINX is None, reason="no nginx binary found (.ci/run installs Debian's nginx-light)"
+)
+
+T = TypeVar("T")
+STEP_MS = 10  # mock decode step: 100 tokens/s per request, slow enough to watch a stream
+
+
+def load_renderer() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("render_nginx", REPO / "docker/render_nginx.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_until(check: Callable[[], T | None], timeout: float, what: str) -> T:
+    """Poll ``check`` until it returns something other than None/False (bounded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value is not None and value is not False:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def client(timeout: float = 10.0) -> httpx.Client:
+    return httpx.Client(timeout=timeout, trust_env=False)  # never through an HTTP proxy
+
+
+def generate_body(max_tokens: int, stream: bool, request_id: str | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "prompt": "hello nginx",
+        "max_tokens": max_tokens,
+        "stream": stream,
+        "ignore_eos": True,
+    }
+    if request_id is not None:
+        body["request_id"] = request_id
+    return body
+
+
+def sse_events(response: httpx.Response) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(event, data) per SSE event; comments (pings) are skipped."""
+    event, data = "message", ""
+    for line in response.iter_lines():
+        if not line:
+            if data:
+                yield event, json.loads(data)
+            event, data = "message", ""
+        elif line.startswith("event:"):
+            event = line[len("event:") :].strip()
+        elif line.startswith("data:"):
+            data += line[len("data:") :].strip()
+
+
+class Replica:
+    """One ``python -m app serve`` process on a free 127.0.0.1 port."""
+
+    def __init__(self, workdir: Path, name: str, *flags: str) -> None:
+        self.name, self.flags = name, flags
+        self.log_path = workdir / f"{name}.log"
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def spawn(self) -> None:
+        self.port = free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLOTSERVE_")}
+        command = [sys.executable, "-m", "app", "serve", "--host", "127.0.0.1"]
+        command += ["--port", str(self.port), "--log-level", "warning", *self.flags]
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+
+    def wait_healthy(self, timeout: float = 20.0) -> bool:
+        """True once /health answers 200; False if the process exited (e.g. port taken)."""
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        with client(timeout=1.0) as http:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    return False
+                try:
+                    if http.get(self.url + "/health").status_code == 200:
+                        return True
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.05)
+        raise AssertionError(f"replica {self.name} not healthy in {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def slots(self) -> dict[str, Any]:
+        with client() as http:
+            answer: dict[str, Any] = http.get(self.url + "/slots").raise_for_status().json()
+            return answer
+
+    def running_ids(self) -> set[str]:
+        return {s["request_id"] for s in self.slots()["slots"] if s["is_processing"]}
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples called ``name`` whose labels include ``labels``."""
+        with client() as http:
+            text = http.get(self.url + "/metrics").raise_for_status().text
+        total = 0.0
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and labels.items() <= sample.labels.items():
+                    total += sample.value
+        return total
+
+    def successes(self) -> float:
+        return self.metric("vllm:request_success_total")
+
+    def signal(self, sig: signal.Signals) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def stop(self) -> None:
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGTERM):  # the second SIGTERM skips the drain
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout=3)
+                return
+            except subprocess.TimeoutExpired:
+                pass
+        proc.kill()
+        proc.wait(timeout=5)
+
+
+def start_replicas(stack: ExitStack, workdir: Path, *replicas: Replica) -> None:
+    """Start the replicas in parallel; a replica that lost its port race is started again."""
+    for replica in replicas:
+        stack.callback(replica.stop)
+    pending = list(replicas)
+    for _ in range(3):
+        for replica in pending:
+            replica.spawn()
+        pending = [replica for replica in pending if not replica.wait_healthy()]
+        if not pending:
+            return
+    raise AssertionError(f"replica {pending[0].name} did not start:\n{pending[0].log()}")
+
+
+class Nginx:
+    """nginx in the foreground, configured from the shipped template."""
+
+    def __init__(self, workdir: Path, upstreams: list[str]) -> None:
+        self.prefix = workdir / "nginx"
+        self.prefix.mkdir(exist_ok=True)
+        self.port = free_port()
+        self.conf = self.prefix / "nginx.conf"
+        self.conf.write_text(load_renderer().render(upstreams, f"127.0.0.1:{self.port}"))
+        self.log_path = self.prefix / "nginx.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        assert NGINX is not None
+        command = [NGINX, "-e", "stderr", "-p", f"{self.prefix}/", "-c", str(self.conf)]
+        command += ["-g", "daemon off;"]
+        with self.log_path.open("ab") as log:
+            # Its own process group, so the master and its workers can be stopped together.
+            self.proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+        def listening() -> bool:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise AssertionError(f"nginx exited:\n{self.log()}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return True
+            except OSError:
+                return False
+
+        wait_until(listening, 10, "nginx to listen")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()  # SIGTERM: fast shutdown of the master and its workers
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)
+
+
+class Cluster:
+    def __init__(self, nginx: Nginx, replicas: tuple[Replica, ...]) -> None:
+        self.nginx, self.replicas = nginx, replicas
+
+    def holder_of(self, request_id: str) -> Replica:
+        """The replica running ``request_id`` (polled: it may still be being admitted)."""
+
+        def find() -> Replica | None:
+            return next((r for r in self.replicas if request_id in r.running_ids()), None)
+
+        return wait_until(find, 5, f"a replica to run {request_id}")
+
+
+@contextmanager
+def cluster(workdir: Path, *flags_per_replica: tuple[str, ...]) -> Iterator[Cluster]:
+    workdir.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as stack:
+        replicas = tuple(
+            Replica(workdir, f"replica{i}", *flags) for i, flags in enumerate(flags_per_replica)
+        )
+        start_replicas(stack, workdir, *replicas)
+        nginx = Nginx(workdir, [f"127.0.0.1:{r.port}" for r in replicas])
+        stack.callback(nginx.stop)
+        nginx.start()
+        yield Cluster(nginx, replicas)
+
+
+SMALL = ("--num-slots", "1", "--mock-step-ms", str(STEP_MS), "--shutdown-grace", "1")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """Two one-slot replicas behind nginx, shared by the tests that leave them idle."""
+    with cluster(tmp_path_factory.mktemp("nginx-pair"), SMALL, SMALL) as running:
+        yield running
+
+
+def test_nginx_spreads_requests_over_both_replicas(pair: Cluster) -> None:
+    before = [r.successes() for r in pair.replicas]
+    url = pair.nginx.url + "/generate"
+
+    def one(_: int) -> int:
+        with client() as http:
+            answer = http.post(url, json=generate_body(4, stream=False))
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["finish_reason"] == "length"
+            return len(answer.json()["tokens"])
+
+    with client() as http:  # one keep-alive client connection, one request after the other
+        for _ in range(10):
+            answer = http.post(url, json=generate_body(4, stream=False))
+            assert answer.status_code == 200, answer.text
+    with ThreadPoolExecutor(max_workers=5) as pool:  # and some at once
+        assert list(pool.map(one, range(10))) == [4] * 10
+
+    def served() -> list[float] | None:
+        counts = [r.successes() - b for r, b in zip(pair.replicas, before, strict=True)]
+        return counts if sum(counts) >= 20 else None
+
+    counts = wait_until(served, 5, "the replicas to count 20 requests")
+    assert sum(counts) == 20
+    assert all(count >= 3 for count in counts), f"requests per replica: {counts}"
+
+
+def test_nginx_streams_token_by_token(pair: Cluster) -> None:
+    max_tokens = 50  # 50 steps of 10 ms: about half a second from first token to last
+    arrivals: list[float] = []
+    tokens: list[int] = []
+    done: dict[str, Any] = {}
+    with client() as http:
+        start = time.monotonic()
+        body = generate_body(max_tokens, stream=True)
+        with http.stream("POST", pair.nginx.url + "/generate", json=body) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            for event, data in sse_events(response):
+                if event == "token":
+                    arrivals.append(time.monotonic() - start)
+                    tokens += data["tokens"]
+                elif event == "done":
+                    done = data
+                    finished = time.monotonic() - start
+    assert done["finish_reason"] == "length"
+    assert len(tokens) == max_tokens == len(done["tokens"])
+    first = arrivals[0]
+    assert first < 0.5, f"first token after {first:.3f} s"
+    # Buffered by nginx, every event would arrive together at the end.
+    spread = finished - first
+    assert spread > 0.2, f"all tokens within {spread:.3f} s: buffered?"
+    early = sum(1 for t in arrivals if t < first + spread / 2)
+    assert early >= 5, f"only {early} of {len(arrivals)} token events in the first half"
+
+
+def open_generate(port: int, body: dict[str, Any]) -> socket.socket:
+    """Send ``POST /generate`` on a raw connection and leave the answer unread."""
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    )
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(head.encode() + payload)
+    return sock
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["stream", "no-stream"])
+def test_nginx_client_disconnect_frees_the_slot(pair: Cluster, streamed: bool) -> None:
+    """A client that goes away through nginx frees its slot: with a stream (nginx's writes fail)
+    and without one (nothing flows; nginx must notice the closed connection by itself)."""
+    long_id, queued_id = f"nginx-long-{uuid.uuid4().hex}", f"nginx-queued-{uuid.uuid4().hex}"
+    long_body = generate_body(5000, stream=streamed, request_id=long_id)  # ~50 s if not freed
+    leaving = open_generate(pair.nginx.port, long_body)
+    try:
+        replica = pair.holder_of(long_id)  # its only slot is now taken
+        if streamed:
+            received = b""
+            while b"event: token" not in received:
+                chunk = leaving.recv(4096)
+                assert chunk, "nginx closed the stream"
+                received += chunk
+            assert received.startswith(b"HTTP/1.1 200")
+        with client() as direct:
+            queued_body = generate_body(3, stream=True, request_id=queued_id)
+            with direct.stream("POST", replica.url + "/generate", json=queued_body) as queued:
+                assert queued.status_code == 200
+                wait_until(lambda: replica.slots()["waiting"] == 1, 5, "the request to queue")
+                assert replica.running_ids() == {long_id}
+
+                leaving.close()  # the client goes away
+
+                # nginx closes its upstream connection; the replica aborts the long request
+                # and admits the queued one into the freed slot.
+                wait_until(
+                    lambda: (
+                        long_id not in replica.running_ids() and replica.slots()["waiting"] == 0
+                    ),
+                    5,
+                    "the replica to free the slot",
+                )
+                queued_events = list(sse_events(queued))
+    finally:
+        leaving.close()
+    assert queued_events[-1][0] == "done"
+    assert queued_events[-1][1]["finish_reason"] == "length"
+    assert len(queued_events[-1][1]["tokens"]) == 3
+    assert replica.metric("vllm:request_success_total", finished_reason="abort") >= 1
+
+
+def test_nginx_cancel_reaches_the_replica_holding_the_request(pair: Cluster) -> None:
+    request_id = f"nginx-cancel-{uuid.uuid4().hex}"
+    with client() as http:
+        body = generate_body(5000, stream=True, request_id=request_id)
+        with http.stream("POST", pair.nginx.url + "/generate", json=body) as stream:
+            events = sse_events(stream)
+            assert next(events)[0] == "token"
+            pair.holder_of(request_id)
+            # least_conn sends the DELETE to the other (idle) replica first; its 404 makes
+            # nginx try the next replica, which holds the request.
+            with client() as other:
+                answer = other.delete(f"{pair.nginx.url}/requests/{request_id}")
+            assert answer.status_code == 200, answer.text
+            assert answer.json() == {"request_id": request_id, "cancelled": True}
+            last = [data for event, data in events if event == "done"]
+    assert last[0]["finish_reason"] == "abort"
+    with client() as http:
+        assert http.delete(f"{pair.nginx.url}/requests/nginx-unknown").status_code == 404
+
+
+@contextmanager
+def occupy(http: httpx.Client, replica: Replica, queued: int = 0) -> Iterator[None]:
+    """Hold ``replica``'s only slot with a long stream sent to it directly, and put ``queued``
+    more long streams in its waiting queue."""
+    with ExitStack() as stack:
+        for i in range(1 + queued):
+            body = generate_body(5000, stream=True)
+            stream = stack.enter_context(http.stream("POST", replica.url + "/generate", json=body))
+            assert stream.status_code == 200
+            if i == 0:
+                events = sse_events(stream)  # keep it: a dropped generator closes the response
+                assert next(events)[0] == "token"
+        wait_until(lambda: replica.slots()["waiting"] == queued, 5, "the queue to fill")
+        yield
+
+
+def test_nginx_retries_429_on_the_other_replica(tmp_path: Path) -> None:
+    full = ("--num-slots", "1", "--max-waiting", "1", "--mock-step-ms", str(STEP_MS))
+    with cluster(tmp_path, full, SMALL) as running, client() as http:
+        busy, free = running.replicas
+        with occupy(http, busy, queued=1):  # one running, one waiting: the queue is full
+            refused = http.post(busy.url + "/generate", json=generate_body(2, stream=False))
+            assert refused.status_code == 429  # the busy replica refuses on its own...
+            rejected = busy.metric("slotserve:requests_rejected_total", reason="queue_full")
+            before = free.successes()
+            with client() as lb:
+                for _ in range(10):  # ...but through nginx every request is served
+                    answer = lb.post(running.nginx.url + "/generate", json=generate_body(2, False))
+                    assert answer.status_code == 200, answer.text
+                body = generate_body(3, stream=True)
+                with lb.stream("POST", running.nginx.url + "/generate", json=body) as stream:
+                    assert stream.status_code == 200
+                    assert [e for e, _ in sse_events(stream)][-1] == "done"
+            retried = busy.metric("slotserve:requests_rejected_total", reason="queue_full")
+            assert retried > rejected, "nginx never tried the busy replica"
+            assert free.successes() - before == 11
+
+
+def test_nginx_retries_503_while_a_replica_drains(tmp_path: Path) -> None:
+    draining = ("--num-slots", "1", "--mock-step-ms", str(STEP_MS), "--shutdown-grace", "30")
+    with cluster(tmp_path, draining, SMALL) as running, client() as http:
+        leaving, staying = running.replicas
+        with occupy(http, leaving):
+            leaving.signal(signal.SIGTERM)  # drains: the running stream may finish, new: 503
+
+            def refusing() -> bool:
+                return http.get(leaving.url + "/health").status_code == 503
+
+            wait_until(refusing, 5, "the replica to drain")
+            before = staying.successes()
+            with client() as lb:
+                for _ in range(10):
+                    answer = lb.post(running.nginx.url + "/generate", json=generate_body(2, False))
+                    assert answer.status_code == 200, answer.text
+                assert lb.get(running.nginx.url + "/health").status_code == 200
+            assert staying.successes() - before == 10
+            assert leaving.metric("slotserve:requests_rejected_total", reason="draining") >= 1
+            leaving.signal(signal.SIGTERM)  # a second signal: exit now
+
+
+def test_nginx_survives_a_killed_replica(tmp_path: Path) -> None:
+    with cluster(tmp_path, SMALL, SMALL) as running:
+        killed, survivor = running.replicas
+        assert killed.proc is not None
+        killed.proc.kill()
+        killed.proc.wait(timeout=5)
+        before = survivor.successes()
+        with client() as lb:
+            for i in range(10):
+                if i % 2:
+                    answer = lb.post(running.nginx.url + "/generate", json=generate_body(2, False))
+                    assert answer.status_code == 200, answer.text
+                else:
+                    body = generate_body(2, stream=True)
+                    with lb.stream("POST", running.nginx.url + "/generate", json=body) as stream:
+                        assert stream.status_code == 200
+                        assert [e for e, _ in sse_events(stream)][-1] == "done"
+        assert survivor.successes() - before == 10
