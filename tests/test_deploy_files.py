@@ -449,7 +449,7 @@ def test_k8s_kustomization_lists_the_manifests() -> None:
 
 
 def test_scaling_docs_name_files_that_exist() -> None:
-    for doc in ("docs/scaling.md", "docs/README-scaling-section.md"):
+    for doc in ("docs/scaling.md", "README.md"):
         text = (REPO / doc).read_text(encoding="utf-8")
         for path in set(re.findall(r"\b((?:docker|docs)/[\w./-]*\w)", text)):
             assert (REPO / path).exists(), f"{doc} names {path}, which does not exist"

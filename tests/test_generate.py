@@ -207,7 +207,11 @@ def test_stop_token_on_the_last_allowed_token_still_stops() -> None:
 
 def test_slot_freed_in_a_step_is_refilled_before_the_next_call() -> None:
     model = RecordingModel(ScriptedModel(2, [1, 2, 3, 4]))
-    requests = [Request("a", [TAG, 0], 1), Request("b", [TAG + 1, 0], 3), Request("c", [TAG + 2, 0], 2)]
+    requests = [
+        Request("a", [TAG, 0], 1),
+        Request("b", [TAG + 1, 0], 3),
+        Request("c", [TAG + 2, 0], 2),
+    ]
     generate(model, requests, 2, 99)
     heads = [[entry[0] - TAG for entry in call] for call in model.calls]
     # a ends after call 0; c takes its slot (slot 0, so it comes first) at call 1.
@@ -314,7 +318,9 @@ class BrokenOutputModel:
         ({1: 1, 2: 2}, ["dict", "expected a list"]),
     ],
 )
-def test_contract_violation_is_model_output_error(output: object, expected_words: list[str]) -> None:
+def test_contract_violation_is_model_output_error(
+    output: object, expected_words: list[str]
+) -> None:
     requests = [Request("a", [1], 5), Request("b", [2], 5), Request("c", [3], 5)]
     model = BrokenOutputModel(output, on_call=2)
     with pytest.raises(ModelOutputError) as info:
@@ -370,7 +376,12 @@ def test_model_exception_is_model_error_with_partial_prefixes(
 
 
 def test_model_error_partial_reports_progress_of_every_request() -> None:
-    requests = [Request("a", [1], 1), Request("b", [2], 9), Request("c", [3], 9), Request("z", [4], 0)]
+    requests = [
+        Request("a", [1], 1),
+        Request("b", [2], 9),
+        Request("c", [3], 9),
+        Request("z", [4], 0),
+    ]
     model = FailingModel(ScriptedModel(1, [7] * 10), fail_on=3)
     with pytest.raises(ModelError) as info:
         generate(model, requests, 2, 0)

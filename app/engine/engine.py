@@ -124,16 +124,16 @@ class Engine:
             await self._loop()
         except asyncio.CancelledError:
             raise
-        except BaseException as err:
+        except Exception as err:  # a bug in the engine: report it dead rather than hang
             log.exception("engine task died")
             self._die(err)
-            raise
 
     async def _loop(self) -> None:
         core = self.core
         while True:
             if not core.scheduler.has_work():
-                self._idle.set()
+                if self._inbox.empty():  # a submitted request may still be in the inbox
+                    self._idle.set()
                 message = await self._inbox.get()
                 self._idle.clear()
                 if not self._handle(message):
@@ -147,8 +147,10 @@ class Engine:
                 tokens = await self._execute(plan)
             except Exception as err:
                 log.warning("model call failed for %d requests: %r", len(plan.batch), err)
-                self._drain_inbox()
+                running = self._drain_inbox()
                 core.fail(plan, err)
+                if not running:
+                    return
             else:
                 if not self._drain_inbox():
                     return
@@ -156,6 +158,7 @@ class Engine:
 
     async def _execute(self, plan: StepPlan) -> list[int]:
         if self._executor is None:
+            await asyncio.sleep(0)  # let streams, submits and aborts run between steps
             return self.core.runner.execute(plan)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self.core.runner.execute, plan)

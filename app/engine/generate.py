@@ -64,9 +64,9 @@ def validate_requests(requests: Iterable[Request], num_slots: int, stop_token: i
             raise ValueError(f"request {rid!r}: max_tokens must be an integer >= 0")
         if not isinstance(request.prompt, list) or not request.prompt:
             raise ValueError(f"request {rid!r}: prompt must be a non-empty list of token ids")
-        bad = next((t for t in request.prompt if not _is_int(t)), None)
-        if bad is not None:
-            raise ValueError(f"request {rid!r}: prompt token {bad!r} is not an integer")
+        for token in request.prompt:
+            if not _is_int(token):
+                raise ValueError(f"request {rid!r}: prompt token {token!r} is not an integer")
 
 
 def _is_int(value: object) -> bool:

@@ -50,25 +50,39 @@ class StatelessRunner:
 
 
 class CachedRunner:
-    """Resets released slots, prefills admitted ones, then decodes every running slot."""
+    """Resets released slots, prefills admitted ones, then decodes every running slot.
+
+    It tracks the slots it has assigned, so a call that failed part-way (a request admitted but
+    never assigned, a release never made) does not make every later call fail: only assigned
+    slots are released, and a slot still assigned when it is handed to a new request is released
+    first.
+    """
 
     def __init__(self, model: CachedModel) -> None:
         self.model = model
+        self._assigned: set[int] = set()
 
     def execute(self, plan: StepPlan) -> list[int]:
         reset = STEP_STARTED.set(plan.started_at)
         try:
             for slot in plan.released:
-                self.model.release(slot)
+                self._release(slot)
             admitted = {id(seq) for seq in plan.admitted}
             for seq in plan.admitted:
                 assert seq.slot is not None
+                self._release(seq.slot)
                 self.model.assign(seq.slot, seq.prompt)
+                self._assigned.add(seq.slot)
             slots = [seq.slot for seq in plan.batch if seq.slot is not None]
             last = [None if id(seq) in admitted else seq.tokens[-1] for seq in plan.batch]
             return checked_tokens(self.model.decode(slots, last), len(plan.batch))
         finally:
             STEP_STARTED.reset(reset)
+
+    def _release(self, slot: int) -> None:
+        if slot in self._assigned:
+            self._assigned.discard(slot)
+            self.model.release(slot)
 
 
 def make_runner(model: Model, num_slots: int, pad_sequence: list[int] | None = None) -> ModelRunner:

@@ -34,7 +34,7 @@ class StepPlan:
 
     ``batch`` lists the running sequences in slot order; ``admitted`` are those that entered a
     slot in this step (a cached model must prefill them); ``released`` are the slots freed since
-    the previous plan (a cached model must reset them before they are reused).
+    the previous plan with a batch (a cached model must reset them before they are reused).
     """
 
     batch: list[Sequence]
@@ -106,8 +106,10 @@ class Scheduler:
     def schedule(self, now: float) -> StepPlan:
         """Refill free slots from the waiting queue and return the next model call's plan."""
         admitted = self._admit(now)
-        released, self._released = self._released, []
         batch = list(self.slots.running())
+        released: list[int] = []
+        if batch:  # a plan with no batch is never run: keep its releases for the next model call
+            released, self._released = self._released, []
         return StepPlan(batch, admitted, released, started_at=now)
 
     def apply(self, plan: StepPlan, tokens: Iterable[int], now: float) -> list[Sequence]:

@@ -5,8 +5,9 @@ Both mock models use it, so their outputs are identical. It reads a bounded part
 8,000-token prefix, and a request's tokens are the same alone or in a full batch.
 
 In text mode (the default) it writes readable English words byte by byte and ends with the stop
-token after a sentence, on average after ``1 / stop_probability`` tokens. In random mode it draws
-token ids uniformly from the vocabulary and stops with ``stop_probability`` per token.
+token after a sentence: it stops only at word ends, on average after roughly
+``1.3 / stop_probability`` tokens. In random mode it draws token ids uniformly from the
+vocabulary (never the stop token) and stops with ``stop_probability`` per token.
 """
 
 from __future__ import annotations
@@ -65,9 +66,10 @@ class MockLanguage:
             return self._next_text_token(prefix)
         n = len(prefix)
         key = _mix(self.seed, n, tuple(prefix[:HEAD]), tuple(prefix[-4:]))
-        if (key & 0xFFFFFFFF) / 0x100000000 < self.stop_probability:
+        if (key & 0xFFFFFFFF) / 0x100000000 < self.stop_probability or self.vocab_size == 1:
             return self.stop_token
-        return (key >> 32) % self.vocab_size
+        token = (key >> 32) % (self.vocab_size - 1)  # any id but the stop token
+        return token + (token >= self.stop_token)
 
     def _next_text_token(self, prefix: Seq[int]) -> int:
         n = len(prefix)
@@ -88,7 +90,7 @@ class MockLanguage:
 
     def _word_at(self, prefix: Seq[int], start: int) -> bytes:
         """The word that begins at position ``start``, capitalised after a sentence's end."""
-        head = tuple(prefix[:HEAD])
+        head = tuple(prefix[: min(HEAD, start)])  # fixed while the word is written
         before = tuple(prefix[max(0, start - 3) : start])
         key = _mix(self.seed, start, head, before)
         word = WORDS[key % len(WORDS)]
@@ -103,5 +105,5 @@ class MockLanguage:
         """Whether the word starting at ``start`` is the last one."""
         per_word = 1.0 - (1.0 - self.stop_probability) ** MEAN_WORD_TOKENS
         before = tuple(prefix[max(0, start - 3) : start])
-        key = _mix(self.seed, start, tuple(prefix[:HEAD]), before, _STOP_SALT)
+        key = _mix(self.seed, start, tuple(prefix[: min(HEAD, start)]), before, _STOP_SALT)
         return bool(key / _SCALE < per_word)

@@ -1,0 +1,528 @@
+"""The asyncio engine: streaming, aborts, model failures, engine death, back-pressure, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+
+from app import Request, generate
+from app.engine.core import EngineConfig
+from app.engine.engine import Engine, Signal
+from app.engine.errors import (
+    DuplicateRequestError,
+    EngineDeadError,
+    EngineDrainingError,
+    QueueFullError,
+)
+from app.engine.scheduler import BatchingPolicy, StepPlan
+from app.engine.stream import Delta, RequestStream
+from app.engine.types import FinishReason, Sequence
+from app.models.cached_mock import CachedMockModel
+from app.models.latency import LatencyProfile
+from app.models.mock import MockModel
+from app.models.mock_language import MockLanguage
+
+TEXT_STOP = 256
+STOP = 7
+TAG = 1000  # prompts start with TAG + index, so a batch entry names its request
+NEVER_STOPS = MockLanguage(text=False, vocab_size=50, stop_token=STOP, stop_probability=0.0)
+STOPS_OFTEN = MockLanguage(text=False, vocab_size=50, stop_token=STOP, stop_probability=0.1)
+
+
+def reference(model: Any, prompt: list[int], max_tokens: int, stop: int) -> list[int]:
+    """The request run alone, one ``next_tokens([prefix])`` call per token."""
+    prefix, generated = list(prompt), []
+    while len(generated) < max_tokens:
+        (token,) = model.next_tokens([list(prefix)])
+        if token == stop:
+            break
+        generated.append(token)
+        prefix.append(token)
+    return generated
+
+
+def seq(rid: str, prompt: list[int], max_tokens: int, stop: int = STOP) -> Sequence:
+    return Sequence(rid, list(prompt), max_tokens, frozenset({stop}))
+
+
+@asynccontextmanager
+async def running(model: Any, observer: Any = None, **config: Any) -> AsyncIterator[Engine]:
+    engine = Engine(model, EngineConfig(**config), observer)
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.stop()
+
+
+async def deltas_of(stream: RequestStream) -> list[Delta]:
+    return [delta async for delta in stream]
+
+
+def check_deltas(deltas: list[Delta], expected: list[int]) -> FinishReason:
+    """Tokens arrive in order, each delta but the last non-empty, the last one with a reason."""
+    assert deltas, "a stream ends with at least the delta carrying its finish reason"
+    *body, last = deltas
+    assert all(d.tokens and d.finish_reason is None for d in body)
+    assert last.finish_reason is not None
+    assert [t for d in deltas for t in d.tokens] == expected
+    return last.finish_reason
+
+
+class GateModel:
+    """Blocks every call until ``gate`` is set; tells the event loop when a call has begun."""
+
+    def __init__(self, inner: Any, fail_after_gate: bool = False) -> None:
+        self.inner = inner
+        self.loop = asyncio.get_running_loop()
+        self.gate = threading.Event()
+        self.entered = asyncio.Event()
+        self.fail_after_gate = fail_after_gate
+        self.heads: list[list[int]] = []
+
+    def next_tokens(self, batch: list[list[int]]) -> list[int]:
+        self.heads.append([prefix[0] for prefix in batch])
+        self.loop.call_soon_threadsafe(self.entered.set)
+        if not self.gate.wait(timeout=10):
+            raise TimeoutError("the gate never opened")
+        if self.fail_after_gate:
+            raise RuntimeError("device lost")
+        return self.inner.next_tokens(batch)  # type: ignore[no-any-return]
+
+
+# --- streaming and results ----------------------------------------------------------------
+
+
+async def test_streams_deliver_tokens_then_a_finish_reason() -> None:
+    rng = random.Random(1)
+    requests = [
+        Request(f"r{i}", list(b"Tell me about " + bytes([97 + i])), rng.randint(1, 60))
+        for i in range(10)
+    ]
+    expected = generate(MockModel(), requests, 3, TEXT_STOP)
+    async with running(MockModel(), num_slots=3) as engine:
+        streams = [
+            engine.submit(seq(r.request_id, r.prompt, r.max_tokens, TEXT_STOP)) for r in requests
+        ]
+        results = await asyncio.gather(*(deltas_of(s) for s in streams))
+    for request, deltas in zip(requests, results, strict=True):
+        tokens = expected[request.request_id]
+        reason = check_deltas(deltas, tokens)
+        short = len(tokens) < request.max_tokens
+        assert reason is (FinishReason.STOP if short else FinishReason.LENGTH)
+        assert deltas[-1].error is None
+
+
+@pytest.mark.parametrize("cached", [False, True])
+@pytest.mark.parametrize("offload", [True, False])
+@pytest.mark.parametrize("num_slots", [1, 4])
+async def test_outputs_equal_generate(cached: bool, offload: bool, num_slots: int) -> None:
+    rng = random.Random(num_slots)
+    requests = [
+        Request(f"r{i}", [rng.randrange(50) for _ in range(rng.randint(1, 8))], rng.randint(0, 30))
+        for i in range(25)
+    ]
+    expected = generate(MockModel(STOPS_OFTEN), requests, num_slots, STOP)
+    model = CachedMockModel(num_slots, STOPS_OFTEN) if cached else MockModel(STOPS_OFTEN)
+    async with running(model, num_slots=num_slots, offload_model_calls=offload) as engine:
+        streams = [engine.submit(seq(r.request_id, r.prompt, r.max_tokens)) for r in requests]
+        results = await asyncio.gather(*(s.collect() for s in streams))
+    for request, (tokens, reason, error) in zip(requests, results, strict=True):
+        assert tokens == expected[request.request_id]
+        assert reason in (FinishReason.STOP, FinishReason.LENGTH) and error is None
+
+
+async def test_requests_arriving_while_running_get_the_same_results() -> None:
+    requests = [Request(f"r{i}", [TAG + i, i], 5 + 3 * i) for i in range(8)]
+    ref_model = MockModel(STOPS_OFTEN)
+    async with running(MockModel(STOPS_OFTEN), num_slots=2) as engine:
+        started = []
+        for request in requests:  # each request arrives once the previous one has output
+            stream = engine.submit(seq(request.request_id, request.prompt, request.max_tokens))
+            started.append((request, await anext(stream), stream))
+        for request, first, stream in started:
+            deltas = [first, *await deltas_of(stream)]
+            expected = reference(ref_model, request.prompt, request.max_tokens, STOP)
+            check_deltas(deltas, expected)
+
+
+async def test_slow_consumer_gets_one_merged_delta() -> None:
+    async with running(MockModel(NEVER_STOPS), num_slots=2) as engine:
+        stream = engine.submit(seq("a", [1, 2, 3], 40))
+        await engine.wait_idle()
+        deltas = await deltas_of(stream)
+    assert len(deltas) == 1
+    assert deltas[0].finish_reason is FinishReason.LENGTH
+    assert deltas[0].tokens == reference(MockModel(NEVER_STOPS), [1, 2, 3], 40, STOP)
+
+
+async def test_max_tokens_zero_ends_at_once_with_no_tokens() -> None:
+    async with running(MockModel(), num_slots=1) as engine:
+        deltas = await deltas_of(engine.submit(seq("z", [1], 0)))
+    assert deltas == [Delta([], FinishReason.LENGTH, None)]
+
+
+async def test_duplicate_live_id_is_refused_and_reusable_after_the_end() -> None:
+    async with running(MockModel(NEVER_STOPS), num_slots=1) as engine:
+        stream = engine.submit(seq("a", [1], 3))
+        with pytest.raises(DuplicateRequestError):
+            engine.submit(seq("a", [2], 3))
+        first, _, _ = await stream.collect()
+        second, _, _ = await engine.submit(seq("a", [1], 3)).collect()
+    assert first == second == reference(MockModel(NEVER_STOPS), [1], 3, STOP)
+
+
+# --- aborts -----------------------------------------------------------------------------------
+
+
+async def test_abort_of_a_running_request_frees_its_slot_for_a_waiting_one() -> None:
+    ref_model = MockModel(NEVER_STOPS)
+    async with running(MockModel(NEVER_STOPS), num_slots=1) as engine:
+        long = engine.submit(seq("long", [1, 2], 10**6))
+        waiting = engine.submit(seq("next", [3, 4], 5))
+        first = await anext(long)
+        assert first.tokens and first.finish_reason is None
+        assert engine.abort("long") is True
+        tokens, reason, error = await long.collect()
+        assert reason is FinishReason.ABORT and error is None
+        assert 0 < len(tokens) < 10**6
+        assert tokens == reference(ref_model, [1, 2], len(tokens), STOP)
+        assert await waiting.collect() == (
+            reference(ref_model, [3, 4], 5, STOP),
+            FinishReason.LENGTH,
+            None,
+        )
+        await engine.wait_idle()
+        assert engine.core.scheduler.slots.num_free == 1
+        assert engine.abort("long") is False  # already ended
+
+
+async def test_abort_of_a_waiting_request() -> None:
+    model = GateModel(MockModel(NEVER_STOPS))
+    async with running(model, num_slots=1) as engine:
+        first = engine.submit(seq("first", [TAG], 3))
+        queued = engine.submit(seq("queued", [TAG + 1], 3))
+        await model.entered.wait()  # "first" is in the model; "queued" waits for its slot
+        assert engine.abort("queued") is True
+        model.gate.set()
+        assert await deltas_of(queued) == [Delta([], FinishReason.ABORT, None)]
+        tokens, reason, _ = await first.collect()
+    assert reason is FinishReason.LENGTH
+    assert tokens == reference(MockModel(NEVER_STOPS), [TAG], 3, STOP)
+    assert all(heads == [TAG] for heads in model.heads)  # "queued" never reached the model
+
+
+async def test_abort_of_an_unknown_request_is_refused() -> None:
+    async with running(MockModel(), num_slots=1) as engine:
+        assert engine.abort("nobody") is False
+
+
+# --- model failures ---------------------------------------------------------------------------
+
+
+class FailOnCall:
+    def __init__(self, inner: Any, fail_on: int) -> None:
+        self.inner, self.fail_on = inner, fail_on
+        self.calls = 0
+        self.batches: list[list[int]] = []
+        self.error = KeyError("device lost")
+
+    def next_tokens(self, batch: list[list[int]]) -> list[int]:
+        self.batches.append([prefix[0] - TAG for prefix in batch])
+        self.calls += 1
+        if self.calls - 1 == self.fail_on:
+            raise self.error
+        return self.inner.next_tokens(batch)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("fail_on", [0, 2, 5])
+async def test_a_failing_model_call_ends_exactly_its_batch(fail_on: int) -> None:
+    model = FailOnCall(MockModel(NEVER_STOPS), fail_on)
+    ref_model = MockModel(NEVER_STOPS)
+    max_tokens = [2, 4, 6, 3, 5, 8]
+    async with running(model, num_slots=3) as engine:
+        streams = [engine.submit(seq(f"r{i}", [TAG + i], m)) for i, m in enumerate(max_tokens)]
+        results = await asyncio.gather(*(s.collect() for s in streams))
+        failed = set(model.batches[fail_on])
+        for i, (tokens, reason, error) in enumerate(results):
+            expected = reference(ref_model, [TAG + i], max_tokens[i], STOP)
+            if i in failed:
+                assert reason is FinishReason.ERROR and error is model.error
+                assert tokens == expected[: len(tokens)] and len(tokens) < max_tokens[i]
+            else:
+                assert (tokens, reason, error) == (expected, FinishReason.LENGTH, None)
+        # the engine keeps serving
+        assert engine.alive
+        later = await engine.submit(seq("later", [TAG + 9], 4)).collect()
+        assert later == (reference(ref_model, [TAG + 9], 4, STOP), FinishReason.LENGTH, None)
+
+
+async def test_broken_output_is_reported_as_a_model_error() -> None:
+    class WrongCount:
+        def next_tokens(self, batch: list[list[int]]) -> list[int]:
+            return [1] * (len(batch) + 1)
+
+    async with running(WrongCount(), num_slots=2) as engine:
+        tokens, reason, error = await engine.submit(seq("a", [1], 3)).collect()
+        assert tokens == [] and reason is FinishReason.ERROR
+        assert error is not None and "expected 1" in str(error)
+        assert engine.alive
+
+
+async def test_cached_engine_recovers_from_a_failed_prefill() -> None:
+    """A prefill that raises must cost only that step's requests, not every later one."""
+
+    class BadPrompt(CachedMockModel):
+        def assign(self, slot: int, prompt: list[int]) -> None:
+            if prompt == [666]:
+                raise RuntimeError("prompt too long")
+            super().assign(slot, prompt)
+
+    ref_model = MockModel(NEVER_STOPS)
+    async with running(BadPrompt(2, NEVER_STOPS), num_slots=2) as engine:
+        _, reason, _ = await engine.submit(seq("bad", [666], 5)).collect()
+        assert reason is FinishReason.ERROR
+        for i in range(4):
+            result = await engine.submit(seq(f"ok{i}", [i + 1], 5)).collect()
+            assert result == (reference(ref_model, [i + 1], 5, STOP), FinishReason.LENGTH, None)
+
+
+async def test_cached_engine_slot_reuse_after_an_idle_gap() -> None:
+    """A slot released while the engine goes idle is reset before it is reused."""
+    ref_model = MockModel(NEVER_STOPS)
+    async with running(CachedMockModel(1, NEVER_STOPS), num_slots=1) as engine:
+        for rid, max_tokens in [("a", 4), ("z", 0), ("b", 4), ("c", 1)]:
+            result = await engine.submit(seq(rid, [len(rid), 9], max_tokens)).collect()
+            expected = reference(ref_model, [len(rid), 9], max_tokens, STOP)
+            assert result == (expected, FinishReason.LENGTH, None)
+            await engine.wait_idle()
+
+
+# --- engine death -----------------------------------------------------------------------------
+
+
+async def test_engine_death_ends_every_stream_and_refuses_new_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = Engine(MockModel(NEVER_STOPS), EngineConfig(num_slots=2))
+    crash = RuntimeError("bookkeeping bug")
+
+    def complete(plan: StepPlan, tokens: list[int]) -> None:
+        raise crash
+
+    monkeypatch.setattr(engine.core, "complete", complete)
+    await engine.start()
+    streams = [engine.submit(seq(f"r{i}", [i], 50)) for i in range(3)]  # 2 running, 1 waiting
+    for stream in streams:
+        tokens, reason, error = await asyncio.wait_for(stream.collect(), timeout=5)
+        assert reason is FinishReason.ERROR and tokens == []  # no step was ever completed
+        assert isinstance(error, EngineDeadError)
+    assert not engine.alive
+    assert engine.death is crash
+    assert not engine.core.live
+    with pytest.raises(EngineDeadError):
+        engine.submit(seq("late", [1], 5))
+    await engine.stop()  # still safe to call
+
+
+async def test_submit_before_start_is_refused() -> None:
+    engine = Engine(MockModel(), EngineConfig(num_slots=1))
+    with pytest.raises(EngineDeadError):
+        engine.submit(seq("a", [1], 1))
+
+
+# --- back-pressure ----------------------------------------------------------------------------
+
+
+async def test_queue_full_is_refused_until_requests_leave() -> None:
+    """``max_waiting`` requests may wait beyond the ones that fill the slots."""
+    async with running(MockModel(NEVER_STOPS), num_slots=2, max_waiting=1) as engine:
+        accepted = [engine.submit(seq(f"r{i}", [i], 3)) for i in range(3)]
+        with pytest.raises(QueueFullError):
+            engine.submit(seq("r3", [3], 3))
+        assert "r3" not in engine.core.live
+        for stream in accepted:
+            assert (await stream.collect())[1] is FinishReason.LENGTH
+        assert (await engine.submit(seq("r3", [3], 3)).collect())[1] is FinishReason.LENGTH
+
+
+# --- stop / drain -----------------------------------------------------------------------------
+
+
+async def test_stop_lets_running_requests_finish_within_grace() -> None:
+    model = GateModel(MockModel(NEVER_STOPS))
+    engine = Engine(model, EngineConfig(num_slots=1))
+    await engine.start()
+    running_stream = engine.submit(seq("running", [TAG], 4))
+    waiting_stream = engine.submit(seq("waiting", [TAG + 1], 4))
+    await model.entered.wait()
+    stop = asyncio.create_task(engine.stop(grace=10))
+    await asyncio.sleep(0)  # let stop() run up to its first await: it is now draining
+    with pytest.raises(EngineDrainingError):
+        engine.submit(seq("new", [TAG + 2], 4))
+    model.gate.set()
+    await stop
+    assert await running_stream.collect() == (
+        reference(MockModel(NEVER_STOPS), [TAG], 4, STOP),
+        FinishReason.LENGTH,
+        None,
+    )
+    assert await waiting_stream.collect() == ([], FinishReason.ABORT, None)
+    assert not engine.alive
+    assert all(heads == [TAG] for heads in model.heads)
+
+
+async def test_stop_aborts_what_is_still_running_after_grace() -> None:
+    engine = Engine(MockModel(NEVER_STOPS), EngineConfig(num_slots=1))
+    await engine.start()
+    long = engine.submit(seq("long", [1], 10**7))
+    queued = engine.submit(seq("queued", [2], 5))
+    await anext(long)  # it is running
+    started = time.monotonic()
+    await engine.stop(grace=0.05)
+    assert time.monotonic() - started < 1.5
+    tokens, reason, _ = await long.collect()
+    assert reason is FinishReason.ABORT
+    assert tokens == reference(MockModel(NEVER_STOPS), [1], len(tokens), STOP)
+    assert await queued.collect() == ([], FinishReason.ABORT, None)
+
+
+async def test_stop_returns_promptly_when_the_last_call_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = GateModel(MockModel(NEVER_STOPS), fail_after_gate=True)
+    engine = Engine(model, EngineConfig(num_slots=1))
+    await engine.start()
+    stream = engine.submit(seq("a", [1], 5))
+    await model.entered.wait()
+    put = engine._inbox.put_nowait
+
+    def put_then_fail_the_call(message: Any) -> None:  # the call fails once stop() has asked
+        put(message)
+        if message is Signal.SHUTDOWN:
+            model.gate.set()
+
+    monkeypatch.setattr(engine._inbox, "put_nowait", put_then_fail_the_call)
+    started = time.monotonic()
+    await engine.stop(grace=0)
+    assert time.monotonic() - started < 1.5  # not the 2 s wait for a task that never ends
+    _, reason, _ = await stream.collect()
+    assert reason in (FinishReason.ABORT, FinishReason.ERROR)
+
+
+async def test_stop_does_not_hang_on_a_model_call_that_never_returns() -> None:
+    model = GateModel(MockModel(NEVER_STOPS))
+    engine = Engine(model, EngineConfig(num_slots=1))
+    await engine.start()
+    stream = engine.submit(seq("a", [1], 5))
+    await model.entered.wait()
+    try:
+        await asyncio.wait_for(engine.stop(grace=0), timeout=5)
+        assert await asyncio.wait_for(stream.collect(), 1) == ([], FinishReason.ABORT, None)
+        assert not engine.alive
+    finally:
+        model.gate.set()  # let the worker thread finish
+
+
+# --- threading, policy, latency ---------------------------------------------------------------
+
+
+async def test_model_calls_run_off_the_event_loop() -> None:
+    loop = asyncio.get_running_loop()
+    loop_thread = threading.current_thread()
+
+    class Handshake:
+        """Waits for the event loop to answer: a model call on the loop thread would deadlock
+        (and time out)."""
+
+        def __init__(self) -> None:
+            self.answered = threading.Event()
+            self.asked = asyncio.Event()
+            self.threads: list[threading.Thread] = []
+
+        def next_tokens(self, batch: list[list[int]]) -> list[int]:
+            self.threads.append(threading.current_thread())
+            loop.call_soon_threadsafe(self.asked.set)
+            if not self.answered.wait(timeout=5):
+                raise TimeoutError("the event loop could not run during the model call")
+            return [1] * len(batch)
+
+    model = Handshake()
+    async with running(model, num_slots=1) as engine:
+        stream = engine.submit(seq("a", [2], 3))
+        await model.asked.wait()
+        model.answered.set()
+        assert await stream.collect() == ([1, 1, 1], FinishReason.LENGTH, None)
+    assert model.threads and all(t is not loop_thread for t in model.threads)
+
+
+@pytest.mark.parametrize("policy", [BatchingPolicy.STATIC, BatchingPolicy.CONTINUOUS])
+async def test_static_policy_admits_only_into_an_empty_batch(policy: BatchingPolicy) -> None:
+    model = FailOnCall(MockModel(NEVER_STOPS), fail_on=-1)
+    async with running(model, num_slots=2, policy=policy) as engine:
+        streams = [engine.submit(seq(f"r{i}", [TAG + i], m)) for i, m in enumerate([6, 2, 2])]
+        for stream in streams:
+            assert (await stream.collect())[1] is FinishReason.LENGTH
+    calls_with = {i: [k for k, b in enumerate(model.batches) if i in b] for i in range(3)}
+    if policy is BatchingPolicy.STATIC:
+        # r2 waits for the whole first batch (r0 and r1) to end although a slot freed early
+        assert calls_with[2][0] > calls_with[0][-1]
+        assert len(model.batches) == 6 + 2
+    else:
+        assert calls_with[2][0] == calls_with[1][-1] + 1  # takes r1's slot at once
+        assert len(model.batches) == 6
+
+
+async def test_simulated_step_latency_is_measured_from_the_step_start() -> None:
+    """Sanity check only: N steps of L ms take about N * L in all."""
+    steps, step_ms = 8, 25.0
+    model = MockModel(NEVER_STOPS, LatencyProfile(base_ms=step_ms))
+    async with running(model, num_slots=1) as engine:
+        started = time.monotonic()
+        await engine.submit(seq("a", [1], steps)).collect()
+        elapsed = time.monotonic() - started
+    assert steps * step_ms / 1000 * 0.95 <= elapsed < steps * step_ms / 1000 * 4
+
+
+# --- observer ---------------------------------------------------------------------------------
+
+
+async def test_observer_sees_every_step_and_every_end_once() -> None:
+    class Observer:
+        def __init__(self) -> None:
+            self.steps = 0
+            self.finished: list[str] = []
+
+        def on_step(self, plan: StepPlan, ended: float) -> None:
+            self.steps += 1
+            assert ended >= plan.started_at
+
+        def on_finished(self, seq: Sequence) -> None:
+            self.finished.append(seq.request_id)
+
+    observer = Observer()
+    model = FailOnCall(MockModel(NEVER_STOPS), fail_on=-1)
+    async with running(model, observer, num_slots=2) as engine:
+        streams = [engine.submit(seq(f"r{i}", [TAG + i], i)) for i in range(5)]
+        await asyncio.gather(*(s.collect() for s in streams))
+    assert sorted(observer.finished) == [f"r{i}" for i in range(5)]
+    assert observer.steps == len(model.batches)
+
+
+async def test_inline_model_calls_still_let_the_event_loop_run_between_steps() -> None:
+    """With ``offload_model_calls=False`` the model runs on the loop, but a long request must
+    still stream and be abortable rather than hold the loop until it ends."""
+    async with running(MockModel(NEVER_STOPS), num_slots=1, offload_model_calls=False) as engine:
+        long = engine.submit(seq("long", [1], 10**6))
+        first = await anext(long)
+        assert first.finish_reason is None
+        assert engine.abort("long")
+        tokens, reason, _ = await long.collect()
+        assert reason is FinishReason.ABORT and len(tokens) < 100
