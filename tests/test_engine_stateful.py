@@ -20,6 +20,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from reference import run_alone
 
 from app.engine.core import EngineConfig, EngineCore
 from app.engine.errors import DuplicateRequestError, QueueFullError
@@ -44,16 +45,7 @@ class InjectedModelFailure(RuntimeError):
 
 def reference(prompt: tuple[int, ...], max_tokens: int, include_stop: bool) -> list[int]:
     """The request run alone on the stateless mock."""
-    prefix, generated = list(prompt), []
-    while len(generated) < max_tokens:
-        (token,) = REFERENCE_MODEL.next_tokens([list(prefix)])
-        if token == STOP:
-            if include_stop:
-                generated.append(token)
-            break
-        generated.append(token)
-        prefix.append(token)
-    return generated
+    return run_alone(REFERENCE_MODEL, list(prompt), max_tokens, STOP, include_stop)
 
 
 class CountingObserver:

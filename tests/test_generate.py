@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import run_alone
 
 from app import CachedMockModel, MockModel, ModelError, ModelOutputError, Request, generate
 from app.models.cached_mock import SlotReuseError
@@ -21,19 +22,10 @@ def reference(
     model: object, requests: list[Request], stop_token: int, include_stop: bool = False
 ) -> dict[str, list[int]]:
     """Each request alone: one ``next_tokens([prefix])`` call per token."""
-    out: dict[str, list[int]] = {}
-    for request in requests:
-        prefix, generated = list(request.prompt), []
-        while len(generated) < request.max_tokens:
-            (token,) = model.next_tokens([list(prefix)])  # type: ignore[attr-defined]
-            if token == stop_token:
-                if include_stop:
-                    generated.append(token)
-                break
-            generated.append(token)
-            prefix.append(token)
-        out[request.request_id] = generated
-    return out
+    return {
+        r.request_id: run_alone(model, r.prompt, r.max_tokens, stop_token, include_stop)  # type: ignore[arg-type]
+        for r in requests
+    }
 
 
 class HashModel:

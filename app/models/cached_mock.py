@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from app.models.latency import LatencyProfile, StepTimer
+from app.models.latency import LatencyProfile
+from app.models.mock import MockBase
 from app.models.mock_language import MockLanguage
 
 
@@ -10,7 +11,7 @@ class SlotReuseError(RuntimeError):
     """A slot was assigned, or decoded, against the cache contract."""
 
 
-class CachedMockModel:
+class CachedMockModel(MockBase):
     """Implements ``CachedModel``. Each slot's cache is the token list the model has seen for the
     request in it; ``decode`` appends the previous step's token and predicts from the cache, so
     its outputs equal ``MockModel``'s for the same prefix. Assigning a slot whose cache was not
@@ -25,15 +26,9 @@ class CachedMockModel:
         *,
         seed: int = 0,
     ) -> None:
-        self.language = language or MockLanguage(seed=seed)
-        self.latency = latency or LatencyProfile()
-        self._timer = StepTimer(self.latency, seed=self.language.seed)
+        super().__init__(language, latency, seed=seed)
         self._cache: list[list[int] | None] = [None] * num_slots
         self._pending_prefill = 0
-
-    @property
-    def stop_token(self) -> int:
-        return self.language.stop_token
 
     def cache_usage(self) -> float:
         """Fraction of slots whose cache is in use."""

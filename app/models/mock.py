@@ -6,7 +6,22 @@ from app.models.latency import LatencyProfile, StepTimer
 from app.models.mock_language import MockLanguage
 
 
-class MockModel:
+class MockBase:
+    """What both mocks share: the language that picks tokens and the simulated step latency."""
+
+    def __init__(
+        self, language: MockLanguage | None, latency: LatencyProfile | None, *, seed: int
+    ) -> None:
+        self.language = language or MockLanguage(seed=seed)
+        self.latency = latency or LatencyProfile()
+        self._timer = StepTimer(self.latency, seed=self.language.seed)
+
+    @property
+    def stop_token(self) -> int:
+        return self.language.stop_token
+
+
+class MockModel(MockBase):
     """``next_tokens(batch)`` with the seed's contract: each entry is a full prefix, one next
     token comes back per entry. Deterministic for a given ``language`` (see ``MockLanguage``).
 
@@ -22,14 +37,8 @@ class MockModel:
         *,
         seed: int = 0,
     ) -> None:
-        self.language = language or MockLanguage(seed=seed)
-        self.latency = latency or LatencyProfile()
-        self._timer = StepTimer(self.latency, seed=self.language.seed)
+        super().__init__(language, latency, seed=seed)
         self._previous: dict[int, list[int]] = {}
-
-    @property
-    def stop_token(self) -> int:
-        return self.language.stop_token
 
     def next_tokens(self, batch: list[list[int]]) -> list[int]:
         if self.latency.enabled:
