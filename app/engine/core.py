@@ -22,7 +22,9 @@ class EngineConfig:
     num_slots: int = 8
     max_waiting: int = 1024  # requests that may wait beyond the free slots before submit() refuses
     policy: BatchingPolicy = BatchingPolicy.CONTINUOUS
-    offload_model_calls: bool = True  # run each model call in a worker thread
+    # Run each model call in a worker thread, unless the model declares ``blocking = False``
+    # (its calls are quick and never wait: a thread hop would cost more than the call).
+    offload_model_calls: bool = True
 
 
 class EngineObserver(Protocol):

@@ -68,7 +68,7 @@ class Engine:
         return self._task is not None and not self._task.done() and self.death is None
 
     async def start(self) -> None:
-        if self.config.offload_model_calls:
+        if self.config.offload_model_calls and getattr(self.model, "blocking", True):
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="slotserve-model")
         self._task = asyncio.create_task(self._run(), name="slotserve-engine")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from itertools import chain
 
 from app.engine.errors import ModelError
 from app.engine.runner import make_runner
@@ -37,7 +37,8 @@ def generate(
     validate_requests(requests, num_slots, stop_token)
     scheduler = Scheduler(num_slots)
     runner = make_runner(model, num_slots, pad_sequence)
-    seqs = [_sequence(request, stop_token, include_stop) for request in requests]
+    stops = frozenset((stop_token,))
+    seqs = [_sequence(request, stops, include_stop) for request in requests]
     now = time.monotonic()
     for seq in seqs:
         scheduler.add(seq, now)
@@ -48,12 +49,28 @@ def generate(
     return {seq.request_id: seq.generated for seq in seqs}
 
 
-def validate_requests(requests: Iterable[Request], num_slots: int, stop_token: int) -> None:
-    """Raise ``ValueError`` naming the first bad request, or the bad argument."""
+def validate_requests(requests: list[Request], num_slots: int, stop_token: int) -> None:
+    """Raise ``ValueError`` naming the first bad request, or the bad argument. The common case,
+    all valid, is checked in a few C-level passes; only a failure looks request by request."""
     if not _is_int(num_slots) or num_slots < 1:
         raise ValueError(f"num_slots must be an integer >= 1, got {num_slots!r}")
     if not _is_int(stop_token):
         raise ValueError(f"stop_token must be an integer, got {stop_token!r}")
+    prompts = [r.prompt for r in requests]
+    limits = [r.max_tokens for r in requests]
+    valid = (
+        len({r.request_id for r in requests}) == len(requests)
+        and set(map(type, limits)) <= {int}
+        and min(limits, default=0) >= 0
+        and set(map(type, prompts)) <= {list}
+        and all(prompts)
+        and set(map(type, chain.from_iterable(prompts))) <= {int}
+    )
+    if not valid:
+        _find_invalid(requests)
+
+
+def _find_invalid(requests: list[Request]) -> None:
     seen: set[str] = set()
     for request in requests:
         rid = request.request_id
@@ -64,22 +81,18 @@ def validate_requests(requests: Iterable[Request], num_slots: int, stop_token: i
             raise ValueError(f"request {rid!r}: max_tokens must be an integer >= 0")
         if not isinstance(request.prompt, list) or not request.prompt:
             raise ValueError(f"request {rid!r}: prompt must be a non-empty list of token ids")
-        for token in request.prompt:
-            if not _is_int(token):
-                raise ValueError(f"request {rid!r}: prompt token {token!r} is not an integer")
+        bad = [t for t in request.prompt if not _is_int(t)]
+        if bad:
+            raise ValueError(f"request {rid!r}: prompt token {bad[0]!r} is not an integer")
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _sequence(request: Request, stop_token: int, include_stop: bool) -> Sequence:
+def _sequence(request: Request, stops: frozenset[int], include_stop: bool) -> Sequence:
     return Sequence(
-        request_id=request.request_id,
-        tokens=list(request.prompt),
-        max_tokens=request.max_tokens,
-        stop_token_ids=frozenset((stop_token,)),
-        include_stop=include_stop,
+        request.request_id, list(request.prompt), request.max_tokens, stops, include_stop
     )
 
 

@@ -102,9 +102,9 @@ def checked_tokens(tokens: object, expected: int) -> list[int]:
         raise ModelOutputError(f"model returned {type(tokens).__name__}, expected a list of ints")
     if len(tokens) != expected:
         raise ModelOutputError(f"model returned {len(tokens)} tokens, expected {expected}")
-    for i, token in enumerate(tokens):
-        if type(token) is not int:
-            raise ModelOutputError(
-                f"model returned {token!r} ({type(token).__name__}) at index {i}, expected int"
-            )
+    if set(map(type, tokens)) - {int}:  # one C-level pass; bool and float are not int
+        i, token = next((i, t) for i, t in enumerate(tokens) if type(t) is not int)
+        raise ModelOutputError(
+            f"model returned {token!r} ({type(token).__name__}) at index {i}, expected int"
+        )
     return list(tokens) if isinstance(tokens, tuple) else tokens

@@ -106,7 +106,7 @@ class Scheduler:
     def schedule(self, now: float) -> StepPlan:
         """Refill free slots from the waiting queue and return the next model call's plan."""
         admitted = self._admit(now)
-        batch = list(self.slots.running())
+        batch = self.slots.running()
         released: list[int] = []
         if batch:  # a plan with no batch is never run: keep its releases for the next model call
             released, self._released = self._released, []
@@ -118,20 +118,19 @@ class Scheduler:
         Returns the sequences that finished in this step (also kept in ``plan.finished``)."""
         finished = plan.finished
         for seq, token in zip(plan.batch, tokens, strict=True):
-            if seq.finish_reason is not None:
-                continue
-            if seq.times.first_token is None:
-                seq.times.first_token = now
-            if token in seq.stop_token_ids:
+            if seq.finish_reason is None and token not in seq.stop_token_ids:
+                seq.tokens.append(token)  # the hot path: one token, not the last
+                if len(seq.tokens) >= seq.token_limit:
+                    self._finish(seq, FinishReason.LENGTH, now)
+                    finished.append(seq)
+            elif seq.finish_reason is None:
                 if seq.include_stop:
                     seq.tokens.append(token)
                 self._finish(seq, FinishReason.STOP, now)
                 finished.append(seq)
-                continue
-            seq.tokens.append(token)
-            if len(seq.tokens) - seq.prompt_len >= seq.max_tokens:
-                self._finish(seq, FinishReason.LENGTH, now)
-                finished.append(seq)
+        for seq in plan.admitted:  # every admitted sequence got its first token in this step
+            if seq.finish_reason in (None, FinishReason.STOP, FinishReason.LENGTH):
+                seq.times.first_token = now
         return finished
 
     def fail(self, plan: StepPlan, error: BaseException, now: float) -> list[Sequence]:
@@ -146,12 +145,10 @@ class Scheduler:
     def _admit(self, now: float) -> list[Sequence]:
         if self.policy is BatchingPolicy.STATIC and self.slots.occupied:
             return []
-        admitted: list[Sequence] = []
-        while self.waiting and self.slots.num_free:
-            seq = self.waiting.pop()
+        admitted = [self.waiting.pop() for _ in range(min(len(self.waiting), self.slots.num_free))]
+        for seq in admitted:
             self.slots.allocate(seq)
             seq.times.admitted = now
-            admitted.append(seq)
         return admitted
 
     def _finish(self, seq: Sequence, reason: FinishReason, now: float) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
 
 from app.engine.types import Sequence
 
@@ -55,6 +54,6 @@ class SlotTable:
     def get(self, slot: int) -> Sequence | None:
         return self._held[slot]
 
-    def running(self) -> Iterator[Sequence]:
+    def running(self) -> list[Sequence]:
         """The held sequences in slot order."""
-        return (seq for seq in self._held if seq is not None)
+        return [seq for seq in self._held if seq is not None]

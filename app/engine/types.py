@@ -55,6 +55,7 @@ class Sequence:
     include_stop: bool = False
     priority: int = 0
     prompt_len: int = 0
+    token_limit: int = 0  # len(tokens) at which max_tokens is reached
     slot: int | None = None
     finish_reason: FinishReason | None = None
     error: BaseException | None = None
@@ -62,6 +63,7 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.tokens)
+        self.token_limit = self.prompt_len + self.max_tokens
 
     @property
     def num_generated(self) -> int:

@@ -17,6 +17,11 @@ class MockBase:
         self._timer = StepTimer(self.latency, seed=self.language.seed)
 
     @property
+    def blocking(self) -> bool:
+        """Only a simulated step latency (a sleep) blocks; otherwise a call takes microseconds."""
+        return self.latency.enabled
+
+    @property
     def stop_token(self) -> int:
         return self.language.stop_token
 

@@ -37,3 +37,6 @@ class CachedModel(Protocol):
 
 
 Model = StatelessModel | CachedModel
+"""A model may also set ``blocking = False`` to say its calls are quick and never wait, so the
+engine runs them on the event loop instead of in a worker thread. Without it, a model is
+assumed to block (a real model does) and every call runs in the engine's worker thread."""
