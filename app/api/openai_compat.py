@@ -15,7 +15,7 @@ from app.api.errors import APIError, error_body
 from app.api.native import ERROR_RESPONSES
 from app.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIParams
 from app.api.stop_strings import StopStringMatcher
-from app.api.streaming import guarded, sse_event, sse_response, until_disconnected
+from app.api.streaming import sse_event, sse_response, until_disconnected
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason
 from app.serving import GenerationParams, Serving
@@ -140,7 +140,7 @@ async def _respond(
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _stream_chunks(run, serving, shape, usage)
-        return sse_response(guarded(run.stream, serving, chunks), serving)
+        return sse_response(chunks, run.stream, serving)
     abort = lambda: serving.abort(run.id)  # noqa: E731
     text, reason = await until_disconnected(request, _collect(run, serving), abort)
     return JSONResponse(shape.whole(text, reason, _usage(run.stream), run.created))

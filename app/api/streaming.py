@@ -36,11 +36,22 @@ class EventStream(EventSourceResponse):
     previous wake-up, so a stalled reader is cut off after 1-2x ``stall_timeout``. Cutting it
     off closes the event generator (which aborts the request and frees its slot) and is logged
     as an expected outcome, not a server error.
+
+    ``on_close`` runs however the response ends (finished, client gone, stalled, cancelled, even
+    before the first event), so the request behind the stream is never left running.
     """
 
-    def __init__(self, content: AsyncIterator[bytes], *, stall_timeout: float, ping: float) -> None:
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        *,
+        stall_timeout: float,
+        ping: float,
+        on_close: Callable[[], object],
+    ) -> None:
         super().__init__(content, ping=ping, sep="\n")
         self.stall_timeout = stall_timeout
+        self.on_close = on_close
         self._sender: asyncio.Task[Any] | None = None  # the task inside a send, if any
         self._sends = 0
         self._stalled = False
@@ -64,6 +75,7 @@ class EventStream(EventSourceResponse):
         finally:
             if self._watchdog is not None:
                 self._watchdog.cancel()
+            self.on_close()
 
     def _watch(self, loop: asyncio.AbstractEventLoop, pending_send: int) -> None:
         sender = self._sender
@@ -81,25 +93,24 @@ def _is_cancellation(err: BaseException) -> bool:
     return isinstance(err, asyncio.CancelledError)
 
 
-def sse_response(events: AsyncIterator[bytes], serving: Serving) -> EventSourceResponse:
-    """Stream ``events``. sse-starlette watches for the client's ``http.disconnect`` and closes
-    the generator (whose ``finally`` aborts the request); a reader that stops reading is cut off
-    the same way after ``send_timeout`` (see ``EventStream``), freeing its slot."""
+def sse_response(
+    events: AsyncIterator[bytes], stream: RequestStream, serving: Serving
+) -> EventSourceResponse:
+    """Stream ``events`` for ``stream``'s request. sse-starlette watches for the client's
+    ``http.disconnect`` and ends the response; a reader that stops reading is cut off after
+    ``send_timeout`` (see ``EventStream``). Either way the request is aborted if unfinished."""
     settings = serving.settings
-    return EventStream(events, stall_timeout=settings.send_timeout, ping=settings.sse_ping_seconds)
 
-
-async def guarded(
-    stream: RequestStream, serving: Serving, events: AsyncIterator[bytes]
-) -> AsyncIterator[bytes]:
-    """Yield ``events``; whatever ends the iteration early (disconnect, send timeout,
-    cancellation) aborts the request so its slot is freed."""
-    try:
-        async for chunk in events:
-            yield chunk
-    finally:
+    def abort_if_unfinished() -> None:
         if stream.seq.finish_reason is None:
             serving.abort(stream.request_id)
+
+    return EventStream(
+        events,
+        stall_timeout=settings.send_timeout,
+        ping=settings.sse_ping_seconds,
+        on_close=abort_if_unfinished,
+    )
 
 
 async def wait_for_disconnect(receive: Receive) -> None:
