@@ -58,7 +58,9 @@ def running_server(
         "warning",
         *flags,
     ]
-    process = subprocess.Popen(command, env={**os.environ, **(env or {})}, stderr=stderr)
+    process = subprocess.Popen(
+        command, env={**os.environ, **(env or {})}, stdout=stderr, stderr=stderr
+    )
     server = ServerProcess(process, port)
     try:
         _wait_healthy(server)

@@ -187,9 +187,29 @@ async def _status_is(client: httpx.AsyncClient, path: str, status: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def keyed() -> Any:
-    with running_server("--api-key", "k-123", "--num-slots", "8") as server:
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    log_path = tmp_path_factory.mktemp("keyed") / "server.log"
+    with (
+        log_path.open("wb") as log,
+        running_server(
+            "--api-key", "k-123", "--num-slots", "8", "--log-level", "debug", stderr=log
+        ) as server,
+    ):
+        server.log_path = log_path  # type: ignore[attr-defined]
         yield server
+
+
+async def test_the_api_key_never_appears_in_logs(keyed: ServerProcess) -> None:
+    async with httpx.AsyncClient(base_url=keyed.url, timeout=WAIT) as client:
+        auth = {"authorization": "Bearer k-123"}
+        r = await client.post("/generate", json={"prompt": "x", "max_tokens": 3}, headers=auth)
+        assert r.status_code == 200
+        assert (
+            await client.get("/slots", headers={"authorization": "Bearer no"})
+        ).status_code == 401
+    log = keyed.log_path.read_text()  # type: ignore[attr-defined]
+    assert "POST /generate" in log  # the log is there and has seen the request
+    assert "k-123" not in log
 
 
 async def test_openai_client_completions_and_chat_streaming_and_not(keyed: ServerProcess) -> None:
