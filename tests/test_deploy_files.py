@@ -8,7 +8,6 @@ installs Debian's) and are named ``*nginx*`` so ``pytest -k nginx`` selects them
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -18,17 +17,15 @@ import sys
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import yaml
+from deploy_files import DOCKER, REPO, load_renderer
 
 from app.config import Settings
 from app.metrics import EngineMetrics
 
-REPO = Path(__file__).resolve().parents[1]
-DOCKER = REPO / "docker"
 K8S = DOCKER / "k8s"
 NGINX_CANDIDATES = ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/nginx/sbin/nginx")
 NGINX = shutil.which("nginx") or next(
@@ -38,14 +35,6 @@ needs_nginx = pytest.mark.skipif(
     NGINX is None, reason="no nginx binary found (.ci/run installs Debian's nginx-light)"
 )
 METRIC_NAME = re.compile(r"\b((?:vllm|slotserve):[a-zA-Z0-9_]+)")
-
-
-def load_renderer() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("render_nginx", DOCKER / "render_nginx.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def load_yaml(path: Path) -> Any:

@@ -12,7 +12,6 @@ The tests are skipped only when no nginx binary is found (``.ci/run`` installs D
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -26,14 +25,13 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from types import ModuleType
 from typing import Any, TypeVar
 
 import httpx
 import pytest
+from deploy_files import REPO, load_renderer
 from prometheus_client.parser import text_string_to_metric_families
 
-REPO = Path(__file__).resolve().parents[1]
 NGINX_CANDIDATES = ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/nginx/sbin/nginx")
 NGINX = shutil.which("nginx") or next(
     (path for path in NGINX_CANDIDATES if os.access(path, os.X_OK)), None
@@ -44,14 +42,6 @@ pytestmark = pytest.mark.skipif(
 
 T = TypeVar("T")
 STEP_MS = 10  # mock decode step: 100 tokens/s per request, slow enough to watch a stream
-
-
-def load_renderer() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("render_nginx", REPO / "docker/render_nginx.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def free_port() -> int:
