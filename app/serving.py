@@ -19,7 +19,7 @@ from app.engine.errors import (
 )
 from app.engine.scheduler import BatchingPolicy
 from app.engine.stream import RequestStream
-from app.engine.types import Sequence
+from app.engine.types import FinishReason, Sequence
 from app.metrics import EngineMetrics
 from app.models.cached_mock import CachedMockModel
 from app.models.latency import LatencyProfile
@@ -106,8 +106,8 @@ class Serving:
             self.metrics.reject("engine_dead")
             raise APIError(503, str(err), "service_unavailable", code="engine_dead") from err
 
-    def abort(self, request_id: str) -> bool:
-        return self.engine.abort(request_id)
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
+        return self.engine.abort(request_id, reason)
 
     def slots(self) -> list[dict[str, object]]:
         """The slot table now, one entry per slot (like llama.cpp's ``/slots``)."""

@@ -88,6 +88,12 @@ async def test_stop_string_truncates_and_finishes_with_stop(make_client: ClientF
                 )
             assert got == expected
             assert reason == "stop"
+        metrics = (await client.get("/metrics")).text
+        assert (
+            'request_success_total{finished_reason="stop",model_name="slotserve-mock"} 2.0'
+            in metrics
+        )
+        assert 'finished_reason="abort"' not in metrics
 
 
 def test_stop_string_matcher_never_releases_part_of_a_stop_string() -> None:

@@ -106,8 +106,8 @@ async def _texts(run: Run, serving: Serving) -> AsyncIterator[tuple[str, str | N
     decoder = serving.tokenizer.stream_decoder()
     async for delta in run.stream:
         text = run.matcher.feed(decoder.feed(delta.tokens))
-        if run.matcher.hit:
-            serving.abort(run.id)
+        if run.matcher.hit:  # a stop string: the request ends with "stop", as in metrics
+            serving.abort(run.id, FinishReason.STOP)
             yield text, FinishReason.STOP.value
             return
         if delta.finish_reason is FinishReason.ERROR:

@@ -14,7 +14,7 @@ from app.engine.errors import DuplicateRequestError, QueueFullError
 from app.engine.runner import ModelRunner
 from app.engine.scheduler import BatchingPolicy, Scheduler, StepPlan
 from app.engine.stream import RequestStream
-from app.engine.types import Sequence
+from app.engine.types import FinishReason, Sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +79,8 @@ class EngineCore:
         if self.scheduler.add(seq, self.clock()):
             self._finished(seq)
 
-    def abort(self, request_id: str) -> None:
-        seq = self.scheduler.abort(request_id, self.clock())
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
+        seq = self.scheduler.abort(request_id, self.clock(), reason)
         if seq is not None:
             self._finished(seq)
 

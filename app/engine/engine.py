@@ -41,6 +41,7 @@ class Add:
 @dataclass(frozen=True, slots=True)
 class Abort:
     request_id: str
+    reason: FinishReason = FinishReason.ABORT
 
 
 Message = Add | Abort | Signal
@@ -86,11 +87,12 @@ class Engine:
         self._inbox.put_nowait(Add(seq))
         return stream
 
-    def abort(self, request_id: str) -> bool:
-        """Cancel a waiting or running request. False if no live request has this id."""
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
+        """Cancel a waiting or running request (``reason``: see ``Scheduler.abort``). False if
+        no live request has this id."""
         if request_id not in self.core.live:
             return False
-        self._inbox.put_nowait(Abort(request_id))
+        self._inbox.put_nowait(Abort(request_id, reason))
         return True
 
     async def wait_idle(self) -> None:
@@ -175,7 +177,7 @@ class Engine:
         if isinstance(message, Add):
             core.add(message.seq)
         elif isinstance(message, Abort):
-            core.abort(message.request_id)
+            core.abort(message.request_id, message.reason)
         elif message is Signal.DRAIN:
             core.abort_waiting()
         elif message is Signal.ABORT_ALL:

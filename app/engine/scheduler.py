@@ -68,17 +68,19 @@ class Scheduler:
         self.waiting.push(seq)
         return False
 
-    def abort(self, request_id: str, now: float) -> Sequence | None:
-        """End a waiting or running request with ``abort``; its slot is free at once.
-
-        Returns the sequence, or None if no unfinished request has this id.
+    def abort(
+        self, request_id: str, now: float, reason: FinishReason = FinishReason.ABORT
+    ) -> Sequence | None:
+        """End a waiting or running request early, with ``reason`` (``abort``, or ``stop`` when
+        a caller found a stop condition of its own, such as a stop string); its slot is free at
+        once. Returns the sequence, or None if no unfinished request has this id.
         """
         seq = self.waiting.remove(request_id)
         if seq is None:
             seq = next((s for s in self.slots.running() if s.request_id == request_id), None)
         if seq is None:
             return None
-        self._finish(seq, FinishReason.ABORT, now)
+        self._finish(seq, reason, now)
         return seq
 
     def abort_all(self, now: float) -> list[Sequence]:
