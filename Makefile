@@ -5,6 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
+ARGS ?=
 
 .PHONY: serve test lint typecheck unit bench clean
 
@@ -14,8 +15,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-serve: $(STAMP)  ## serve the built-in mock on 127.0.0.1:8000
-	$(BIN)/slotserve serve --host $(HOST) --port $(PORT)
+serve: $(STAMP)  ## serve the built-in mock on 127.0.0.1:8000 (more flags: make serve ARGS='...')
+	$(BIN)/slotserve serve --host $(HOST) --port $(PORT) $(ARGS)
 
 test: $(STAMP) lint typecheck unit  ## ruff, mypy and the whole pytest suite
 
@@ -29,7 +30,7 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/pytest
 
-bench: $(STAMP)
+bench: $(STAMP)  ## the engine benchmark (benchmarks/ has the others; figures in docs/benchmarks.md)
 	$(BIN)/python benchmarks/engine_overhead.py
 
 clean:
