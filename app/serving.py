@@ -3,6 +3,7 @@ request passes before it reaches the engine. The HTTP routes hold nothing else."
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -129,37 +130,43 @@ class Serving:
         return out
 
     def _sequence(self, params: GenerationParams, id_prefix: str) -> Sequence:
-        settings, vocab = self.settings, self.tokenizer.vocab_size
-        prompt = params.prompt
-        if not prompt:
+        if not params.prompt:
             raise APIError(400, "prompt must not be empty", param="prompt", code="empty_prompt")
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})",
-                           param="prompt", code="invalid_token_id")  # fmt: skip
-        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"stop token id {bad} is outside the vocabulary [0, {vocab})",
-                           param="stop_token_ids", code="invalid_token_id")  # fmt: skip
-        room = settings.max_model_len - len(prompt)
-        max_tokens = params.max_tokens
-        if max_tokens is None:
-            max_tokens = min(settings.default_max_tokens, max(room, 0))
-        if room < 0 or max_tokens > room:
-            raise APIError(
-                400,
-                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                f"context length of {settings.max_model_len} tokens",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
+        self._check_vocabulary(params.prompt, "prompt")
+        self._check_vocabulary(params.stop_token_ids, "stop_token_ids")
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.add(self.eos_token_id)
         return Sequence(
             request_id=params.request_id or f"{id_prefix}-{uuid.uuid4().hex}",
-            tokens=list(prompt),
-            max_tokens=max_tokens,
-            stop_token_ids=frozenset(stops),
+            tokens=list(params.prompt),
+            max_tokens=self._max_tokens(len(params.prompt), params.max_tokens),
+            stop_token_ids=_shared_stop_set(tuple(sorted(stops))),
             priority=params.priority,
         )
+
+    def _check_vocabulary(self, ids: list[int], param: str) -> None:
+        vocab = self.tokenizer.vocab_size
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise APIError(400, f"token id {bad} in {param} is outside the vocabulary [0, {vocab})",
+                           param=param, code="invalid_token_id")  # fmt: skip
+
+    def _max_tokens(self, prompt_len: int, requested: int | None) -> int:
+        """``requested``, or the default capped by the room left; 400 past the context."""
+        context = self.settings.max_model_len
+        room = context - prompt_len
+        max_tokens = min(self.settings.default_max_tokens, max(room, 0))
+        if requested is not None:
+            max_tokens = requested
+        if room < 0 or max_tokens > room:
+            raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) "
+                           f"exceeds the context length of {context} tokens",
+                           param="max_tokens", code="context_length_exceeded")  # fmt: skip
+        return max_tokens
+
+
+@functools.lru_cache(maxsize=256)
+def _shared_stop_set(ids: tuple[int, ...]) -> frozenset[int]:
+    """One frozenset per distinct stop list (almost always just EOS), shared by requests."""
+    return frozenset(ids)
