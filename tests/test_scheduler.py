@@ -167,6 +167,20 @@ def test_abort_between_schedule_and_apply_drops_that_token() -> None:
     assert b.generated == [5]
 
 
+def test_a_plans_batch_is_unchanged_by_later_slot_changes() -> None:
+    """The engine runs a plan in a worker thread while aborts and admissions go on; the batch the
+    model was given must not change under it, and the next plan must see the new table."""
+    a, b, c = seq("a"), seq("b"), seq("c")
+    scheduler = scheduler_with(a, b, c)
+    plan = scheduler.schedule(0.0)
+    scheduler.abort("a", 0.0)
+    assert plan.batch == [a, b]
+    scheduler.apply(plan, [5, 5], 0.0)
+    following = scheduler.schedule(0.0)
+    assert following.batch == [c, b] and plan.batch == [a, b]
+    assert scheduler.schedule(0.0).batch is following.batch  # unchanged table: the same list
+
+
 def test_abort_of_unknown_or_finished_request_is_a_no_op() -> None:
     a = seq("a", max_tokens=1)
     scheduler = scheduler_with(a)

@@ -7,6 +7,7 @@ from typing import Protocol
 
 from app.engine.errors import ModelOutputError
 from app.engine.scheduler import StepPlan
+from app.engine.types import Sequence
 from app.models.latency import STEP_STARTED
 from app.models.protocol import CachedModel, Model, StatelessModel
 
@@ -28,16 +29,23 @@ class StatelessRunner:
         self.model = model
         self.num_slots = num_slots
         self.pad_sequence = pad_sequence
+        self._batch: list[Sequence] = []  # the previous call's batch and its inputs: while the
+        self._inputs: list[list[int]] = []  # slot table is unchanged, the same lists serve again
 
     def execute(self, plan: StepPlan) -> list[int]:
         reset = STEP_STARTED.set(plan.started_at)
         try:
             if self.pad_sequence is None:
-                inputs = [seq.tokens for seq in plan.batch]
+                inputs = self._inputs_for(plan.batch)
                 return checked_tokens(self.model.next_tokens(inputs), len(inputs))
             return self._execute_padded(plan)
         finally:
             STEP_STARTED.reset(reset)
+
+    def _inputs_for(self, batch: list[Sequence]) -> list[list[int]]:
+        if batch is not self._batch:
+            self._batch, self._inputs = batch, [seq.tokens for seq in batch]
+        return self._inputs
 
     def _execute_padded(self, plan: StepPlan) -> list[int]:
         assert self.pad_sequence is not None
@@ -96,13 +104,16 @@ def make_runner(model: Model, num_slots: int, pad_sequence: list[int] | None = N
     raise TypeError(f"{type(model).__name__} has neither next_tokens() nor assign/release/decode")
 
 
+_INT_ONLY = {int}
+
+
 def checked_tokens(tokens: object, expected: int) -> list[int]:
     """``tokens`` as a list of ``expected`` ints, or ``ModelOutputError`` saying what is wrong."""
-    if not isinstance(tokens, list | tuple):
+    if not isinstance(tokens, (list, tuple)):  # a tuple: quicker than list | tuple
         raise ModelOutputError(f"model returned {type(tokens).__name__}, expected a list of ints")
     if len(tokens) != expected:
         raise ModelOutputError(f"model returned {len(tokens)} tokens, expected {expected}")
-    if set(map(type, tokens)) - {int}:  # one C-level pass; bool and float are not int
+    if expected and set(map(type, tokens)) != _INT_ONLY:  # one C-level pass; bool is not int
         i, token = next((i, t) for i, t in enumerate(tokens) if type(t) is not int)
         raise ModelOutputError(
             f"model returned {token!r} ({type(token).__name__}) at index {i}, expected int"

@@ -120,9 +120,10 @@ class Scheduler:
         Returns the sequences that finished in this step (also kept in ``plan.finished``)."""
         finished = plan.finished
         for seq, token in zip(plan.batch, tokens, strict=True):
-            if seq.finish_reason is None and token not in seq.stop_token_ids:
-                seq.tokens.append(token)  # the hot path: one token, not the last
-                if len(seq.tokens) >= seq.token_limit:
+            if token not in seq.stop_token_ids and seq.finish_reason is None:
+                prefix = seq.tokens
+                prefix.append(token)  # the hot path: one token, not the last
+                if len(prefix) >= seq.token_limit:
                     self._finish(seq, FinishReason.LENGTH, now)
                     finished.append(seq)
             elif seq.finish_reason is None:
@@ -145,9 +146,10 @@ class Scheduler:
         return failed
 
     def _admit(self, now: float) -> list[Sequence]:
-        if self.policy is BatchingPolicy.STATIC and self.slots.occupied:
+        room = min(len(self.waiting), self.slots.num_free)
+        if not room or (self.policy is BatchingPolicy.STATIC and self.slots.occupied):
             return []
-        admitted = [self.waiting.pop() for _ in range(min(len(self.waiting), self.slots.num_free))]
+        admitted = [self.waiting.pop() for _ in range(room)]
         for seq in admitted:
             self.slots.allocate(seq)
             seq.times.admitted = now

@@ -21,6 +21,7 @@ class SlotTable:
         self._held: list[Sequence | None] = [None] * capacity
         self._free: list[int] = list(range(capacity))  # a heap: lowest free index first
         self._occupied = 0
+        self._running: list[Sequence] | None = []  # running(), rebuilt after any change
 
     @property
     def occupied(self) -> int:
@@ -38,6 +39,7 @@ class SlotTable:
         self._held[slot] = seq
         seq.slot = slot
         self._occupied += 1
+        self._running = None
         return slot
 
     def release(self, seq: Sequence) -> int:
@@ -48,6 +50,7 @@ class SlotTable:
         self._held[slot] = None
         seq.slot = None
         self._occupied -= 1
+        self._running = None
         heapq.heappush(self._free, slot)
         return slot
 
@@ -55,5 +58,9 @@ class SlotTable:
         return self._held[slot]
 
     def running(self) -> list[Sequence]:
-        """The held sequences in slot order."""
-        return [seq for seq in self._held if seq is not None]
+        """The held sequences in slot order. While the table does not change, every call returns
+        the same list, so it must not be modified; a change makes a new list, leaving the old
+        one as it was (a plan's batch stays valid while an abort frees a slot)."""
+        if self._running is None:
+            self._running = [seq for seq in self._held if seq is not None]
+        return self._running
