@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from conftest import ClientFactory
 from sse import parse_sse
 
@@ -128,3 +132,35 @@ async def test_unknown_model_is_404_and_bad_fields_are_400(make_client: ClientFa
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
         r = await client.post("/v1/completions", json={"prompt": "x", "n": 2})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
+JSON_HEADERS = {"content-type": "application/json"}
+LONE_SURROGATE = "\ud800"  # valid JSON ("\ud800"), but not Unicode text: it cannot be encoded
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/generate", {"prompt": f"hi {LONE_SURROGATE}"}, "prompt"),
+        ("/v1/completions", {"prompt": f"hi {LONE_SURROGATE}"}, "prompt"),
+        ("/v1/completions", {"prompt": [LONE_SURROGATE]}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "stop": LONE_SURROGATE}, "stop"),
+        ("/v1/completions", {"prompt": "hi", "model": LONE_SURROGATE}, "model"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONE_SURROGATE}]},
+         "messages.0.content"),
+        ("/v1/chat/completions",
+         {"messages": [{"role": "user", "content": [{"type": "text", "text": LONE_SURROGATE}]}]},
+         "messages.0.content"),
+    ],
+)  # fmt: skip
+async def test_text_that_is_not_unicode_is_a_400_naming_the_field(
+    make_client: ClientFactory, path: str, body: dict[str, object], param: str
+) -> None:
+    """Found in review: a lone surrogate in a chat message reached the tokenizer and became a
+    500. JSON allows it; UTF-8 cannot encode it, so it is the client's mistake."""
+    async with make_client() as client:
+        r = await client.post(path, content=json.dumps(body), headers=JSON_HEADERS)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"].startswith(param)
+        assert "surrogate" in error["message"] or "unicode" in error["message"]

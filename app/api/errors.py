@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -66,18 +68,57 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
     first = errors[0] if errors else {}
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
-        param = None
         message = f"request body is not valid JSON: {first.get('msg', '')}"
-    elif not loc and first.get("type") in ("model_attributes_type", "missing"):
+        return JSONResponse(error_body(message, INVALID, None, "json_invalid"), status_code=400)
+    chosen, param, problem = _problem(errors)
+    code = chosen.get("type")
+    if param is None and code in ("model_attributes_type", "missing"):
         message = "request body must be a JSON object (send Content-Type: application/json)"
-    else:
-        message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
-        if len(errors) > 1:
-            message += f" (and {len(errors) - 1} more problem(s))"
-    return JSONResponse(error_body(message, INVALID, param, first.get("type")), status_code=400)
+        return JSONResponse(error_body(message, INVALID, None, code), status_code=400)
+    message = f"{param or 'body'}: {problem}"
+    others = {_field(e) for e in errors} - {_field(chosen)}
+    if others:
+        message += f" (and {len(others)} more field(s) with problems)"
+    return JSONResponse(error_body(message, INVALID, param, code), status_code=400)
+
+
+_UNION_MEMBER = re.compile(r"[\[\](), -]|^(str|int|float|bool|list|dict|none)$")
+
+
+def _param(loc: Sequence[object]) -> str | None:
+    """The field's dotted path, without "body" and without the tags pydantic adds for the
+    member of a union that was tried (``prompt.list[constrained-int].0`` -> ``prompt.0``)."""
+    parts = [
+        str(part)
+        for part in loc
+        if part != "body" and not (isinstance(part, str) and _UNION_MEMBER.search(part))
+    ]
+    return ".".join(parts) or None
+
+
+def _field(error: dict[str, Any]) -> object:
+    """The top-level body field an error is about (a union's members share it)."""
+    return next((part for part in error.get("loc", ()) if part != "body"), None)
+
+
+def _problem(errors: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], str | None, str]:
+    """The error, field and message to report. A union field gets one error per member it tried:
+    one that is not a type mismatch says most (a member matched, but the value is wrong), and
+    when all are type mismatches the message lists every accepted type."""
+    if not errors:
+        return {}, None, "invalid value"
+    specific = [e for e in errors if not str(e.get("type", "")).endswith("_type")]
+    chosen = specific[0] if specific else errors[0]
+    param = _param(chosen.get("loc", ()))
+    if specific:
+        return chosen, param, str(chosen.get("msg", "invalid value"))
+    kinds = dict.fromkeys(
+        str(e.get("msg", "")).removeprefix("Input should be ")
+        for e in errors
+        if _param(e.get("loc", ())) == param
+    )
+    return chosen, param, "Input should be " + " or ".join(kinds)
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:

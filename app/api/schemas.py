@@ -4,10 +4,25 @@ are ignored so real clients work; semantic checks (vocabulary, context length) l
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+
+def _unicode_text(text: str) -> str:
+    """JSON may carry lone surrogates ("\\ud800") that no UTF-8 text can hold: refuse them here,
+    before they reach the tokenizer or a response."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        bad = text[err.start]
+        message = f"contains a lone surrogate {bad!r} at index {err.start}, not text"
+        raise ValueError(message) from None
+    return text
+
+
+Text = Annotated[StrictStr, AfterValidator(_unicode_text)]
+NonEmptyText = Annotated[StrictStr, Field(min_length=1), AfterValidator(_unicode_text)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
 RequestId = Annotated[
     StrictStr, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")
@@ -20,9 +35,7 @@ class GenerateRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: (
-        Annotated[list[TokenId], Field(min_length=1)] | Annotated[StrictStr, Field(min_length=1)]
-    )
+    prompt: Annotated[list[TokenId], Field(min_length=1)] | NonEmptyText
     max_tokens: MaxTokens | None = Field(None, description="generated tokens at most")
     stream: StrictBool = True
     ignore_eos: StrictBool = False
@@ -40,22 +53,18 @@ class OpenAIParams(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: StrictStr | None = None
+    model: Text | None = None
     max_tokens: MaxTokens | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    stop: (
-        Annotated[StrictStr, Field(min_length=1)]
-        | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=16)]
-        | None
-    ) = None
+    stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=16)] | None = None
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
     ignore_eos: StrictBool = False
     seed: StrictInt | None = Field(None, description="accepted; the mock is deterministic")
     n: Literal[1] = 1
     temperature: float | None = None
     top_p: float | None = None
-    user: str | None = None
+    user: Text | None = None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -65,25 +74,35 @@ class OpenAIParams(BaseModel):
 
 class CompletionRequest(OpenAIParams):
     prompt: (
-        Annotated[StrictStr, Field(min_length=1)]
+        NonEmptyText
         | Annotated[list[TokenId], Field(min_length=1)]
-        | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
+        | Annotated[list[Text], Field(min_length=1, max_length=1)]
         | Annotated[list[list[TokenId]], Field(min_length=1, max_length=1)]
     )
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content; only text parts carry text (others, such as images,
+    are accepted and read as empty)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: StrictStr = "text"
+    text: Text = ""
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: StrictStr | list[dict[str, Any]] | None = None
+    content: Text | list[ContentPart] | None = None
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(str(part.get("text", "")) for part in self.content)
+        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(OpenAIParams):
