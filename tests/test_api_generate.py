@@ -34,6 +34,26 @@ async def test_stream_sends_tokens_then_done(make_client: ClientFactory) -> None
         }
 
 
+class HalfCharacterModel:
+    """Writes "é" (bytes C3 A9) over and over, so a length limit can cut a character in half."""
+
+    def next_tokens(self, batch: list[list[int]]) -> list[int]:
+        return [0xA9 if prefix[-1] == 0xC3 else 0xC3 for prefix in batch]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3])
+async def test_streamed_texts_add_up_to_the_done_text_even_mid_character(
+    make_client: ClientFactory, max_tokens: int
+) -> None:
+    """Found in review: an output cut inside a UTF-8 character lost its last, incomplete
+    character from the token events' texts, while ``done.text`` had it (as U+FFFD)."""
+    async with make_client(model=HalfCharacterModel()) as client:
+        r = await client.post("/generate", json={"prompt": "a", "max_tokens": max_tokens})
+        *tokens, done = parse_sse(r.text)
+        assert "".join(e.data["text"] for e in tokens) == done.data["text"]
+        assert done.data["text"].startswith("é" * (max_tokens // 2))
+
+
 async def test_stream_and_json_results_are_identical_alone_and_in_a_full_batch(
     make_client: ClientFactory,
 ) -> None:

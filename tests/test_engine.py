@@ -394,6 +394,17 @@ async def test_stop_aborts_what_is_still_running_after_grace() -> None:
     assert await queued.collect() == ([], FinishReason.ABORT, None)
 
 
+async def test_stop_releases_every_slot_of_a_cached_model() -> None:
+    model = CachedMockModel(2, NEVER_STOPS)
+    engine = Engine(model, EngineConfig(num_slots=2))
+    await engine.start()
+    streams = [engine.submit(seq(f"r{i}", [TAG + i], 3)) for i in range(3)]
+    for stream in streams:
+        await stream.collect()
+    await engine.stop()
+    assert model.cache_usage() == 0
+
+
 async def test_stop_returns_promptly_when_the_last_call_fails(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -423,10 +434,12 @@ async def test_stop_does_not_hang_on_a_model_call_that_never_returns() -> None:
     await engine.start()
     stream = engine.submit(seq("a", [1], 5))
     await model.entered.wait()
+    queued = engine.submit(seq("b", [2], 5))  # still in the inbox: the engine is stuck
     try:
-        await asyncio.wait_for(engine.stop(grace=0), timeout=5)
+        await asyncio.wait_for(engine.stop(grace=0, call_timeout=0.05), timeout=5)
         assert await asyncio.wait_for(stream.collect(), 1) == ([], FinishReason.ABORT, None)
-        assert not engine.alive
+        assert await asyncio.wait_for(queued.collect(), 1) == ([], FinishReason.ABORT, None)
+        assert not engine.alive and not engine.core.live
     finally:
         model.gate.set()  # let the worker thread finish
 

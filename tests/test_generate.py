@@ -400,6 +400,37 @@ def test_cached_model_through_generate_reuses_slots_correctly() -> None:
     assert got == reference(MockModel(), requests, 256)
 
 
+def test_generate_releases_every_slot_so_a_cached_model_can_serve_again() -> None:
+    """Found in review: the slots still assigned when the last request finished were never
+    released, so a second generate() on the same model failed with SlotReuseError."""
+    model = CachedMockModel(2)
+    requests = [Request(f"r{i}", [i, i + 1], 3) for i in range(3)]
+    first = generate(model, requests, 2, 256)
+    assert generate(model, requests, 2, 256) == first
+    assert model.cache_usage() == 0
+
+
+def test_generate_releases_every_slot_after_a_model_error() -> None:
+    model = FailingCachedModel(fail_at_call=2)
+    with pytest.raises(ModelError):
+        generate(model, [Request("a", [1], 5), Request("b", [2], 5)], 2, 256)
+    assert model.cache_usage() == 0
+
+
+class FailingCachedModel(CachedMockModel):
+    """A cached mock whose decode fails on one call."""
+
+    def __init__(self, fail_at_call: int) -> None:
+        super().__init__(2)
+        self.calls, self.fail_at_call = 0, fail_at_call
+
+    def decode(self, slots: list[int], last_tokens: list[int | None]) -> list[int]:
+        self.calls += 1
+        if self.calls == self.fail_at_call:
+            raise RuntimeError("device lost")
+        return super().decode(slots, last_tokens)
+
+
 # --- per-token cost ---------------------------------------------------------------------------
 
 

@@ -64,10 +64,12 @@ async def native_events(stream: RequestStream, serving: Serving) -> AsyncIterato
     decoder = serving.tokenizer.stream_decoder()
     head = f'event: token\ndata: {{"request_id":{json.dumps(stream.request_id)},"tokens":['
     async for delta in stream:
-        if delta.tokens:  # the hot path: built by hand, the same JSON json.dumps would write
+        text = decoder.feed(delta.tokens) if delta.tokens else ""
+        if delta.finish_reason is not None:
+            text += decoder.flush()  # a character cut off by the end shows as U+FFFD
+        if delta.tokens or text:  # the hot path: built by hand, the same JSON json.dumps writes
             ids = ",".join(map(str, delta.tokens))
-            text = json.dumps(decoder.feed(delta.tokens))
-            yield f'{head}{ids}],"text":{text}}}\n\n'.encode()
+            yield f'{head}{ids}],"text":{json.dumps(text)}}}\n\n'.encode()
         if delta.finish_reason is FinishReason.ERROR:
             yield sse_event("error", error_payload(stream))
         elif delta.finish_reason is not None:

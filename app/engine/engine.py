@@ -26,6 +26,8 @@ from app.models.protocol import Model
 
 log = logging.getLogger("slotserve.engine")
 
+STUCK_CALL_TIMEOUT = 2.0  # seconds stop() waits for a model call before abandoning it
+
 
 class Signal(Enum):
     DRAIN = auto()  # stop admitting: abort every waiting request
@@ -99,9 +101,10 @@ class Engine:
         """Return once no request is waiting or running."""
         await self._idle.wait()
 
-    async def stop(self, grace: float = 0.0) -> None:
+    async def stop(self, grace: float = 0.0, *, call_timeout: float = STUCK_CALL_TIMEOUT) -> None:
         """Drain: refuse new requests, abort waiting ones, let running ones finish for up to
-        ``grace`` seconds, abort the rest, then end the engine task."""
+        ``grace`` seconds, abort the rest, then end the engine task. A model call still running
+        ``call_timeout`` seconds later is abandoned. Every open stream has ended on return."""
         self.draining = True
         if self._task is None:
             return
@@ -112,12 +115,15 @@ class Engine:
             self._inbox.put_nowait(Signal.ABORT_ALL)
             self._inbox.put_nowait(Signal.SHUTDOWN)
             with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(self._task), timeout=2.0)
-        if not self._task.done():  # a model call that never returns: give up on it
+                await asyncio.wait_for(asyncio.shield(self._task), timeout=call_timeout)
+        call_abandoned = not self._task.done()
+        if call_abandoned:  # a model call that never returns: give up on it
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        self.core.abort_all()
+        self._end_leftovers(FinishReason.ABORT, None)
+        if not call_abandoned and self.death is None:
+            self.core.runner.close()  # no call is running: the model may release its slots
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -189,14 +195,21 @@ class Engine:
     def _die(self, err: BaseException) -> None:
         """End every open stream with an error at once, so no consumer hangs on a dead engine."""
         self.death = err
-        dead = EngineDeadError(f"engine task died: {err!r}")
+        self._end_leftovers(FinishReason.ERROR, EngineDeadError(f"engine task died: {err!r}"))
+
+    def _end_leftovers(self, reason: FinishReason, error: BaseException | None) -> None:
+        """With the loop gone, end every request it left: queued in the inbox, waiting or
+        running in the scheduler, or known only to ``live``."""
         while not self._inbox.empty():
             message = self._inbox.get_nowait()
             if isinstance(message, Add):
                 self.core.scheduler.waiting.push(message.seq)
-        self.core.fail_all(dead)
+        if error is None:
+            self.core.abort_all()
+        else:
+            self.core.fail_all(error)
         for stream in list(self.core.live.values()):  # whatever the scheduler lost track of
-            stream.seq.error = dead
-            stream.seq.finish_reason = FinishReason.ERROR
+            stream.seq.error = error
+            stream.seq.finish_reason = reason
             stream.notify()
         self.core.live.clear()

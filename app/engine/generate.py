@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import suppress
 from itertools import chain
 
 from app.engine.errors import ModelError
@@ -42,10 +43,16 @@ def generate(
     now = time.monotonic()
     for seq in seqs:
         scheduler.add(seq, now)
-    while scheduler.has_work():
-        plan = scheduler.schedule(time.monotonic())
-        tokens = _run_step(runner.execute, plan, seqs)
-        scheduler.apply(plan, tokens, time.monotonic())
+    try:
+        while scheduler.has_work():
+            plan = scheduler.schedule(time.monotonic())
+            tokens = _run_step(runner.execute, plan, seqs)
+            scheduler.apply(plan, tokens, time.monotonic())
+    except BaseException:
+        with suppress(Exception):  # the model already failed: its error is the one to report
+            runner.close()
+        raise
+    runner.close()
     return {seq.request_id: seq.generated for seq in seqs}
 
 

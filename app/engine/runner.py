@@ -17,6 +17,11 @@ class ModelRunner(Protocol):
         """Run the model for ``plan`` and return one validated token per ``plan.batch`` entry."""
         ...
 
+    def close(self) -> None:
+        """The run is over: release every slot the model still holds, so the model can serve
+        another run."""
+        ...
+
 
 class StatelessRunner:
     """Feeds each running sequence's token list (prompt + generated, never copied) to
@@ -41,6 +46,9 @@ class StatelessRunner:
             return self._execute_padded(plan)
         finally:
             STEP_STARTED.reset(reset)
+
+    def close(self) -> None:
+        self._batch, self._inputs = [], []
 
     def _inputs_for(self, batch: list[Sequence]) -> list[list[int]]:
         if batch is not self._batch:
@@ -86,6 +94,10 @@ class CachedRunner:
             return checked_tokens(self.model.decode(slots, last), len(plan.batch))
         finally:
             STEP_STARTED.reset(reset)
+
+    def close(self) -> None:
+        for slot in sorted(self._assigned):
+            self._release(slot)
 
     def _release(self, slot: int) -> None:
         if slot in self._assigned:
