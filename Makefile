@@ -3,8 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-HOST ?= 127.0.0.1
-PORT ?= 8000
+HOST ?=
+PORT ?=
 ARGS ?=
 
 .PHONY: serve test lint typecheck unit bench clean
@@ -15,8 +15,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-serve: $(STAMP)  ## serve the built-in mock on 127.0.0.1:8000 (more flags: make serve ARGS='...')
-	$(BIN)/slotserve serve --host $(HOST) --port $(PORT) $(ARGS)
+serve: $(STAMP)  ## serve the built-in mock on 127.0.0.1:8000 (or SLOTSERVE_*; flags: ARGS='...')
+	$(BIN)/slotserve serve $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT)) $(ARGS)
 
 test: $(STAMP) lint typecheck unit  ## ruff, mypy and the whole pytest suite
 

@@ -9,7 +9,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import SecretStr
+from pydantic import SecretStr, ValidationError
 
 from app.config import Settings
 
@@ -53,11 +53,29 @@ def _literal_choices(annotation: Any) -> list[str] | None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = vars(build_parser().parse_args(argv))
-    command = args.pop("command")
-    settings = Settings(**args)
+    command, settings = parse(argv)
     if command == "serve":
         serve(settings)
+
+
+def parse(argv: Sequence[str] | None = None) -> tuple[str, Settings]:
+    """The command and its settings (flags over ``SLOTSERVE_*`` variables over defaults). A bad
+    value exits with status 2 and a message naming the flag and its variable, as argparse does
+    for its own errors."""
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    command = args.pop("command")
+    try:
+        return command, Settings(**args)
+    except ValidationError as err:
+        parser.error("; ".join(_describe(error) for error in err.errors()))
+
+
+def _describe(error: Any) -> str:
+    name = str(error["loc"][0]) if error.get("loc") else "settings"
+    flag = "--" + name.replace("_", "-")
+    got = "" if name == "api_key" else f", got {error.get('input')!r}"  # a key is never shown
+    return f"{flag} (SLOTSERVE_{name.upper()}): {error['msg']}{got}"
 
 
 def serve(settings: Settings) -> None:

@@ -35,7 +35,9 @@ class Settings(BaseSettings):
     mock_stop_probability: float = Field(
         0.01, ge=0, le=1, description="chance per token that the mock ends its output"
     )
-    seed: int = Field(0, description="mock model seed (a request's own seed overrides)")
+    seed: int = Field(
+        0, description="mock model seed (a request's seed field is accepted, not used)"
+    )
     api_key: SecretStr | None = Field(None, description="require 'Authorization: Bearer <key>'")
     shutdown_grace: float = Field(10.0, ge=0, description="seconds in-flight streams may finish")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="request body limit; past it: 413")

@@ -1,0 +1,68 @@
+"""The command line: every setting is a flag and a SLOTSERVE_* variable, and bad values are
+refused with a usage error naming both, not a traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app.cli import parse
+from app.config import Settings
+
+
+def test_every_setting_has_a_flag_and_a_variable_shown_in_help(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse(["serve", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for name in Settings.model_fields:
+        assert "--" + name.replace("_", "-") in text
+        assert f"SLOTSERVE_{name.upper()}" in text
+
+
+def test_defaults_serve_the_mock_on_localhost_8000_with_a_long_context() -> None:
+    command, settings = parse(["serve"])
+    assert command == "serve"
+    assert (settings.host, settings.port) == ("127.0.0.1", 8000)
+    assert settings.max_model_len >= 8192
+
+
+def test_a_flag_wins_over_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLOTSERVE_NUM_SLOTS", "16")
+    monkeypatch.setenv("SLOTSERVE_BATCHING", "static")
+    _, settings = parse(["serve", "--num-slots", "4"])
+    assert settings.num_slots == 4 and settings.batching == "static"
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "named"),
+    [
+        (["serve", "--num-slots", "0"], {}, "--num-slots (SLOTSERVE_NUM_SLOTS)"),
+        (["serve"], {"SLOTSERVE_NUM_SLOTS": "abc"}, "--num-slots (SLOTSERVE_NUM_SLOTS)"),
+        (["serve", "--port", "70000"], {}, "--port (SLOTSERVE_PORT)"),
+        (["serve", "--batching", "eager"], {}, "--batching"),
+    ],
+)
+def test_a_bad_value_is_a_usage_error_naming_the_flag(
+    argv: list[str],
+    env: dict[str, str],
+    named: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as exit_info:
+        parse(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err
+
+
+def test_the_readme_documents_every_flag() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    missing = [n for n in Settings.model_fields if f"`--{n.replace('_', '-')}`" not in readme]
+    assert missing == []
