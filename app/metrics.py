@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 
 from app.engine.core import EngineCore
 from app.engine.scheduler import StepPlan
-from app.engine.types import FinishReason, Sequence
+from app.engine.types import Sequence
 
 log = logging.getLogger("slotserve.requests")
 disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series: dashboards do not use them
@@ -135,15 +135,18 @@ class EngineMetrics:
         self.rejected.labels(self.model_name, reason).inc()
 
     def on_step(self, plan: StepPlan, ended: float) -> None:
+        """One model call ended at ``ended``. Counts its prefill and generated tokens (a token
+        for a request aborted during the call is not counted) or its failure, and observes the
+        step duration and the inter-token latency: the time since the previous step, weighted
+        by the sequences that got a token in both steps."""
         self._step_duration.observe(ended - plan.started_at)
         if plan.admitted:
             self._prompt_tokens.inc(sum(seq.prompt_len for seq in plan.admitted))
-        failed = bool(plan.finished) and plan.finished[0].finish_reason is FinishReason.ERROR
-        if failed:
+        if plan.error is not None:
             self.model_failures.labels(self.model_name).inc()
             self._last_step_end = None
             return
-        self._generation_tokens.inc(len(plan.batch))
+        self._generation_tokens.inc(plan.applied)
         if self._last_step_end is not None:
             self.itl.observe(ended - self._last_step_end, len(plan.batch) - len(plan.admitted))
         self._last_step_end = ended if len(plan.batch) > len(plan.finished) else None

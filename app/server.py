@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from app.serving import Serving
 
 log = logging.getLogger("slotserve.server")
-EXIT_MARGIN = 1.5  # seconds uvicorn may take to close idle connections after the drain
+CLOSE_TIMEOUT = 2  # seconds uvicorn may take to close connections once the drain is done
 
 
 class DrainingServer(uvicorn.Server):
@@ -64,7 +64,7 @@ def run(app: FastAPI, host: str, port: int, log_level: str) -> None:
         log_level=log_level,
         workers=1,
         lifespan="on",
-        timeout_graceful_shutdown=int(EXIT_MARGIN + 0.5),
+        timeout_graceful_shutdown=CLOSE_TIMEOUT,
         timeout_keep_alive=5,
     )
     DrainingServer(config, serving).run()

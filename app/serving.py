@@ -108,6 +108,8 @@ class Serving:
             raise APIError(503, str(err), "service_unavailable", code="engine_dead") from err
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
+        """End a live request early (``reason`` is ``abort``, or ``stop`` for a stop string);
+        its stream ends and its slot is free before the next model call. False if unknown."""
         return self.engine.abort(request_id, reason)
 
     def slots(self) -> list[dict[str, object]]:

@@ -163,6 +163,7 @@ def test_abort_between_schedule_and_apply_drops_that_token() -> None:
     scheduler.abort("a", 0.0)
     finished = scheduler.apply(plan, [STOP, 5], 0.0)
     assert finished == []  # a was aborted, not stopped
+    assert plan.applied == 1 and plan.error is None  # b's token only
     assert a.finish_reason is FinishReason.ABORT and a.generated == []
     assert b.generated == [5]
 
@@ -226,7 +227,7 @@ def test_fail_ends_exactly_the_plans_sequences_with_error() -> None:
     scheduler.abort("b", 0.0)  # aborted during the failed call: stays ABORT
     err = RuntimeError("boom")
     failed = scheduler.fail(plan, err, 1.0)
-    assert failed == [a] and plan.finished == [a]
+    assert failed == [a] and plan.finished == [a] and plan.error is err
     assert a.finish_reason is FinishReason.ERROR and a.error is err
     assert b.finish_reason is FinishReason.ABORT and b.error is None
     assert c.finish_reason is None and "c" in scheduler.waiting  # not in the call

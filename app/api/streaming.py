@@ -16,6 +16,7 @@ from app.engine.stream import RequestStream
 from app.serving import Serving
 
 T = TypeVar("T")
+NO_SEND = -1  # the watchdog saw no send pending
 log = logging.getLogger("slotserve.api")
 
 
@@ -65,7 +66,7 @@ class EventStream(EventSourceResponse):
             self._sends += 1
 
         loop = asyncio.get_running_loop()
-        self._watchdog = loop.call_later(self.stall_timeout, self._watch, loop, -1)
+        self._watchdog = loop.call_later(self.stall_timeout, self._watch, loop, NO_SEND)
         try:
             await super().__call__(scope, receive, watched_send)
         except BaseException as err:
@@ -78,12 +79,15 @@ class EventStream(EventSourceResponse):
             self.on_close()
 
     def _watch(self, loop: asyncio.AbstractEventLoop, pending_send: int) -> None:
+        """Wake-up every ``stall_timeout``. ``pending_send`` is the number of the send that
+        was pending at the previous wake-up (``NO_SEND`` if none was): if that same send is
+        still pending now, the reader has stalled for a whole period, so cut it off."""
         sender = self._sender
         if sender is not None and pending_send == self._sends:
             self._stalled = True
             sender.cancel()
             return
-        mark = self._sends if sender is not None else -1
+        mark = self._sends if sender is not None else NO_SEND
         self._watchdog = loop.call_later(self.stall_timeout, self._watch, loop, mark)
 
 

@@ -30,9 +30,15 @@ class EngineConfig:
 class EngineObserver(Protocol):
     """Receives the engine's events (metrics, logs). Called on the engine task; must be quick."""
 
-    def on_step(self, plan: StepPlan, ended: float) -> None: ...
+    def on_step(self, plan: StepPlan, ended: float) -> None:
+        """Once per model call, after its tokens or its failure were applied; ``ended`` is the
+        clock reading then (``plan.started_at`` is the step's start)."""
+        ...
 
-    def on_finished(self, seq: Sequence) -> None: ...
+    def on_finished(self, seq: Sequence) -> None:
+        """Exactly once per request, however it ended (stop, length, abort, error), including
+        requests that never reached a slot."""
+        ...
 
 
 class EngineCore:
@@ -59,6 +65,8 @@ class EngineCore:
 
     @property
     def num_waiting(self) -> int:
+        """Live requests without a slot: queued, or submitted and not yet taken from the inbox
+        (so an abort not yet applied still counts)."""
         return len(self.live) - self.scheduler.slots.occupied
 
     def register(self, seq: Sequence) -> RequestStream:
@@ -80,19 +88,23 @@ class EngineCore:
             self._finished(seq)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
+        """End one waiting or running request with ``reason``; unknown ids are ignored."""
         seq = self.scheduler.abort(request_id, self.clock(), reason)
         if seq is not None:
             self._finished(seq)
 
     def abort_waiting(self) -> None:
+        """End every request still waiting for a slot with ``abort`` (drain)."""
         for seq in self.scheduler.abort_waiting(self.clock()):
             self._finished(seq)
 
     def abort_all(self) -> None:
+        """End every waiting and running request with ``abort`` (end of the grace period)."""
         for seq in self.scheduler.abort_all(self.clock()):
             self._finished(seq)
 
     def fail_all(self, error: BaseException) -> None:
+        """End every waiting and running request with ``error`` (the engine is dying)."""
         for seq in self.scheduler.fail_all(error, self.clock()):
             self._finished(seq)
 

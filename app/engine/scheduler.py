@@ -35,6 +35,9 @@ class StepPlan:
     ``batch`` lists the running sequences in slot order; ``admitted`` are those that entered a
     slot in this step (a cached model must prefill them); ``released`` are the slots freed since
     the previous plan with a batch (a cached model must reset them before they are reused).
+    Once the call is over: ``finished`` are the sequences it ended, ``applied`` counts the tokens
+    it produced for sequences still running (not those aborted during the call), and ``error``
+    is set if it failed.
     """
 
     batch: list[Sequence]
@@ -42,6 +45,8 @@ class StepPlan:
     released: list[int]
     started_at: float = 0.0
     finished: list[Sequence] = field(default_factory=list)
+    applied: int = 0
+    error: BaseException | None = None
 
 
 class Scheduler:
@@ -119,6 +124,7 @@ class Scheduler:
         ``max_tokens`` and free their slots. Sequences aborted while the model ran are skipped.
         Returns the sequences that finished in this step (also kept in ``plan.finished``)."""
         finished = plan.finished
+        skipped = 0
         for seq, token in zip(plan.batch, tokens, strict=True):
             if token not in seq.stop_token_ids and seq.finish_reason is None:
                 prefix = seq.tokens
@@ -131,6 +137,9 @@ class Scheduler:
                     seq.tokens.append(token)
                 self._finish(seq, FinishReason.STOP, now)
                 finished.append(seq)
+            else:
+                skipped += 1  # aborted while the model ran: its token is dropped
+        plan.applied = len(plan.batch) - skipped
         for seq in plan.admitted:  # every admitted sequence got its first token in this step
             if seq.finish_reason in (None, FinishReason.STOP, FinishReason.LENGTH):
                 seq.times.first_token = now
@@ -138,6 +147,7 @@ class Scheduler:
 
     def fail(self, plan: StepPlan, error: BaseException, now: float) -> list[Sequence]:
         """The model call for ``plan`` failed: end exactly its sequences with ``error``."""
+        plan.error = error
         failed = [seq for seq in plan.batch if seq.finish_reason is None]
         for seq in failed:
             seq.error = error
