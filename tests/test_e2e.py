@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -249,3 +250,29 @@ def test_schemathesis_finds_no_server_error() -> None:
             capture_output=True, text=True, timeout=240,
         )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:]
+
+
+def test_a_stalled_reader_is_cut_off_with_one_info_line_not_an_error(tmp_path: Any) -> None:
+    """A client that stops reading (its receive window is full) is cut off after the send
+    timeout and its slot freed. The server says so once, at INFO; uvicorn's "ASGI callable
+    returned without completing response" error would page someone for a client's behaviour."""
+    log_path = tmp_path / "server.log"
+    flags = ("--send-timeout", "0.3", "--max-model-len", "10000000", "--log-level", "info")
+    with log_path.open("wb") as log, running_server(*flags, stderr=log) as server:
+        body = b'{"prompt": "x", "max_tokens": 9000000, "ignore_eos": true}'
+        with socket.socket() as sock:
+            sock.setsockopt(
+                socket.SOL_SOCKET, socket.SO_RCVBUF, 4096
+            )  # before connect: small window
+            sock.connect(("127.0.0.1", server.port))
+            sock.sendall(b"POST /generate HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+            deadline = time.monotonic() + 30  # the reader never reads: wait for the cut-off
+            while "reader stalled" not in log_path.read_text():
+                assert time.monotonic() < deadline, log_path.read_text()[-2000:]
+                time.sleep(0.05)
+            running = httpx.get(f"{server.url}/slots").json()
+            assert not any(slot["is_processing"] for slot in running["slots"])
+    text = log_path.read_text()
+    assert text.count("reader stalled") == 1
+    assert "ASGI callable returned without completing response" not in text

@@ -13,7 +13,7 @@ from sse_starlette.sse import AppStatus
 from app.api import admin, native, openai_compat
 from app.api.errors import install_error_handlers
 from app.api.limits import BodySizeLimit
-from app.api.streaming import ClientGone
+from app.api.streaming import ClientGone, hide_cut_off_responses
 from app.config import Settings
 from app.models.protocol import Model
 from app.serving import Serving
@@ -28,6 +28,7 @@ def create_app(settings: Settings | None = None, model: Model | None = None) -> 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        hide_cut_off_responses()  # after uvicorn has configured its logging
         await serving.start()
         try:
             yield

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 from sse_starlette.sse import EventSourceResponse
@@ -72,10 +73,12 @@ class EventStream(EventSourceResponse):
         except BaseException as err:
             if not self._stalled or not _is_cancellation(err):
                 raise
-            log.info("cut off a stream whose reader stalled for %.1f s", self.stall_timeout)
         finally:
             if self._watchdog is not None:
                 self._watchdog.cancel()
+            if self._stalled:
+                CUT_OFF.set(True)  # for HideCutOffResponses: this task returns mid-response
+                log.info("cut off a stream whose reader stalled for %.1f s", self.stall_timeout)
             self.on_close()
 
     def _watch(self, loop: asyncio.AbstractEventLoop, pending_send: int) -> None:
@@ -89,6 +92,28 @@ class EventStream(EventSourceResponse):
             return
         mark = self._sends if sender is not None else NO_SEND
         self._watchdog = loop.call_later(self.stall_timeout, self._watch, loop, mark)
+
+
+CUT_OFF: ContextVar[bool] = ContextVar("slotserve_cut_off", default=False)
+"""True in a request's task once its stream was cut off on purpose."""
+
+
+class HideCutOffResponses(logging.Filter):
+    """For ``uvicorn.error``: drop uvicorn's "ASGI callable returned without completing
+    response" error for a stream we cut off on purpose (already logged at INFO, and uvicorn
+    then closes the connection, which is what we want). Any other such error still shows."""
+
+    MESSAGE = "ASGI callable returned without completing response."
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (CUT_OFF.get() and record.getMessage() == self.MESSAGE)
+
+
+def hide_cut_off_responses() -> None:
+    """Install ``HideCutOffResponses`` on uvicorn's logger, once."""
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, HideCutOffResponses) for f in logger.filters):
+        logger.addFilter(HideCutOffResponses())
 
 
 def _is_cancellation(err: BaseException) -> bool:
