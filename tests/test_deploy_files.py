@@ -153,6 +153,8 @@ def test_nginx_renderer_repeats_the_upstream_line_and_fills_listen() -> None:
     assert "{{" not in text and "}}" not in text
     servers = re.findall(r"^\s*server (\S+) max_fails=\d+ fail_timeout=\w+;$", text, re.M)
     assert servers == ["127.0.0.1:9001", "127.0.0.1:9002"]
+    cancels = re.findall(r"^\s*server (\S+) max_fails=0;$", text, re.M)
+    assert cancels == ["127.0.0.1:9001", "127.0.0.1:9002"]
     assert re.findall(r"^\s*listen (\S+);$", text, re.M) == ["127.0.0.1:9000"]
     with pytest.raises(ValueError, match="upstream"):
         renderer.render([], "8080")
@@ -179,7 +181,7 @@ def test_nginx_config_passes_nginx_t(tmp_path: Path, variant: str) -> None:
         # docker/nginx.conf byte for byte, except the compose service name, which resolves
         # only on the compose network (nginx -t resolves upstream host names).
         text = (DOCKER / "nginx.conf").read_text(encoding="utf-8")
-        assert text.count("server slotserve:8000 ") == 1
+        assert text.count("server slotserve:8000 ") == 2  # new requests, and cancels
         text = text.replace("server slotserve:8000 ", "server 127.0.0.1:8000 ")
     else:
         text = load_renderer().render(["127.0.0.1:8001", "127.0.0.1:8002"], "127.0.0.1:8080")

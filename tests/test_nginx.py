@@ -489,3 +489,27 @@ def test_nginx_survives_a_killed_replica(tmp_path: Path) -> None:
                         assert stream.status_code == 200
                         assert [e for e, _ in sse_events(stream)][-1] == "done"
         assert survivor.successes() - before == 10
+
+
+def test_nginx_answers_overload_of_every_replica_in_our_error_shape(tmp_path: Path) -> None:
+    """Found in review: 429s count as replica failures in nginx, so a burst against full
+    replicas marked both down and nginx answered its own HTML 502, and a cancel could no
+    longer reach the replica holding the request. Now every answer is a JSON 429 or 503 with
+    Retry-After, and the cancel still gets through."""
+    full = ("--num-slots", "1", "--max-waiting", "0", "--mock-step-ms", str(STEP_MS))
+    with cluster(tmp_path, full, full) as running, client() as http, ExitStack() as held:
+        for i, replica in enumerate(running.replicas):
+            body = generate_body(5000, stream=True, request_id=f"nginx-victim-{i}")
+            stream = held.enter_context(http.stream("POST", replica.url + "/generate", json=body))
+            events = sse_events(stream)
+            assert next(events)[0] == "token"
+            held.callback(events.close)
+        with client() as lb:
+            for _ in range(8):
+                answer = lb.post(running.nginx.url + "/generate", json=generate_body(2, False))
+                assert answer.status_code in (429, 503), answer.text
+                assert answer.headers["content-type"].startswith("application/json")
+                assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
+                assert int(answer.headers["retry-after"]) >= 1
+            cancel = lb.delete(f"{running.nginx.url}/requests/nginx-victim-1")
+            assert cancel.status_code == 200, cancel.text
