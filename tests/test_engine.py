@@ -404,6 +404,19 @@ async def test_stop_aborts_what_is_still_running_after_grace() -> None:
     assert await queued.collect() == ([], FinishReason.ABORT, None)
 
 
+async def test_an_idle_engine_leaves_no_cache_in_use() -> None:
+    """Found in review: releases reached a cached model only with the next model call, so an
+    idle replica kept reporting KV-cache usage (``vllm:kv_cache_usage_perc``) to gateways."""
+    model = CachedMockModel(4, NEVER_STOPS)
+    async with running(model, num_slots=4) as engine:
+        streams = [engine.submit(seq(f"r{i}", [TAG + i], 2 + i)) for i in range(3)]
+        for stream in streams:
+            await stream.collect()
+        await engine.wait_idle()
+        assert model.cache_usage() == 0
+        assert (await engine.submit(seq("again", [TAG], 3)).collect())[1] is FinishReason.LENGTH
+
+
 async def test_stop_releases_every_slot_of_a_cached_model() -> None:
     model = CachedMockModel(2, NEVER_STOPS)
     engine = Engine(model, EngineConfig(num_slots=2))

@@ -5,6 +5,7 @@ drive this class step by step without an event loop.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from app.engine.runner import ModelRunner
 from app.engine.scheduler import BatchingPolicy, Scheduler, StepPlan
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
+
+log = logging.getLogger("slotserve.engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +110,16 @@ class EngineCore:
         """End every waiting and running request with ``error`` (the engine is dying)."""
         for seq in self.scheduler.fail_all(error, self.clock()):
             self._finished(seq)
+
+    def release_idle_slots(self) -> None:
+        """No request is running: tell the model to drop every cache it still holds, so its
+        cache usage reads zero while idle. A model that fails here is logged, not fatal (the
+        runner releases again before a slot is reused)."""
+        self.scheduler.take_released()
+        try:
+            self.runner.close()
+        except Exception:
+            log.exception("the model failed to release its idle slots")
 
     def schedule(self) -> StepPlan:
         return self.scheduler.schedule(self.clock())

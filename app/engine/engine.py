@@ -141,6 +141,7 @@ class Engine:
         while True:
             if not core.scheduler.has_work():
                 if self._inbox.empty():  # a submitted request may still be in the inbox
+                    core.release_idle_slots()
                     self._idle.set()
                 message = await self._inbox.get()
                 self._idle.clear()

@@ -119,6 +119,12 @@ class Scheduler:
             released, self._released = self._released, []
         return StepPlan(batch, admitted, released, started_at=now)
 
+    def take_released(self) -> list[int]:
+        """The slots released since the last plan with a batch, handed over now instead (the
+        engine goes idle, so no plan will carry them soon)."""
+        released, self._released = self._released, []
+        return released
+
     def apply(self, plan: StepPlan, tokens: Iterable[int], now: float) -> list[Sequence]:
         """Append one token per sequence of ``plan.batch``; finish those that stop or reach
         ``max_tokens`` and free their slots. Sequences aborted while the model ran are skipped.
