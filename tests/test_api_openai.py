@@ -163,3 +163,57 @@ async def test_text_that_is_not_unicode_is_a_400_naming_the_field(
         error = r.json()["error"]
         assert error["param"].startswith(param)
         assert "surrogate" in error["message"] or "unicode" in error["message"]
+
+
+async def test_max_completion_tokens_wins_over_the_deprecated_max_tokens(
+    make_client: ClientFactory,
+) -> None:
+    async with make_client() as client:
+        body = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+        r = await client.post(
+            "/v1/chat/completions", json=body | {"max_tokens": 3, "max_completion_tokens": 5}
+        )
+        assert r.json()["usage"]["completion_tokens"] == 5
+        r = await client.post("/v1/chat/completions", json=body | {"max_tokens": 3})
+        assert r.json()["usage"]["completion_tokens"] == 3
+
+
+async def test_null_means_the_default_for_n_and_stream(make_client: ClientFactory) -> None:
+    async with make_client() as client:
+        body = {"prompt": "hi", "max_tokens": 2, "n": None, "stream": None}
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 200 and r.json()["object"] == "text_completion"
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "value"),
+    [
+        ("/v1/completions", "echo", True),
+        ("/v1/completions", "logprobs", 1),
+        ("/v1/completions", "suffix", "end"),
+        ("/v1/completions", "best_of", 2),
+        ("/v1/chat/completions", "logprobs", True),
+        ("/v1/chat/completions", "top_logprobs", 3),
+        ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ],
+)
+async def test_fields_that_would_change_the_reply_are_refused_not_ignored(
+    make_client: ClientFactory, path: str, field: str, value: object
+) -> None:
+    """Found in review: logprobs, echo, tools... were accepted and the reply came without
+    them, so a scoring client read ``logprobs: null`` as an answer."""
+    body: dict[str, object] = {"max_tokens": 2}
+    body |= {"prompt": "hi"} if path == "/v1/completions" else {"messages": [MESSAGE]}
+    async with make_client() as client:
+        r = await client.post(path, json=body | {field: value})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == field
+        assert r.json()["error"]["code"] == "unsupported_parameter"
+        neutral = {"logprobs": False if "chat" in path else None, "echo": False, "best_of": 1}
+        if field in neutral:  # the neutral value is fine
+            r = await client.post(path, json=body | {field: neutral[field]})
+            assert r.status_code == 200, r.text
+
+
+MESSAGE = {"role": "user", "content": "hi"}

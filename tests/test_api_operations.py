@@ -78,6 +78,10 @@ async def test_slots_show_the_running_requests(make_client: ClientFactory) -> No
         await stream.collect()
 
 
+JSON = {"content-type": "application/json"}
+KEY = {"authorization": "Bearer s3cret"}
+
+
 async def test_api_key_guards_generation_cancel_and_slots_but_not_health(
     make_client: ClientFactory,
 ) -> None:
@@ -104,3 +108,8 @@ async def test_api_key_guards_generation_cancel_and_slots_but_not_health(
             )
             assert r.status_code in (200, 404), (path, r.text)  # 404: the unknown request id
         assert (await client.get("/health")).status_code == 200
+        for broken in (b"{not json", b'{"prompt": 5}'):  # no key: 401 before any 400
+            r = await client.post("/generate", content=broken, headers=JSON)
+            assert r.status_code == 401, r.text
+        r = await client.post("/generate", content=b"{not json", headers=JSON | KEY)
+        assert r.status_code == 400

@@ -66,6 +66,12 @@ async def _api_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
+    from app.api.deps import require_api_key  # deps uses this module
+
+    try:  # a body is parsed before the route's dependencies run: authenticate first
+        require_api_key(request, request.app.state.serving)
+    except APIError as err:
+        return await _api_error(request, err)
     errors = exc.errors()
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":

@@ -51,7 +51,10 @@ async def chat_completions(
     body: ChatCompletionRequest, request: Request, serving: ServingDep
 ) -> Response:
     ids = serving.tokenizer.encode(render_chat(body))
-    max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
+    # max_completion_tokens replaces the deprecated max_tokens; it wins when both are set
+    max_tokens = (
+        body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+    )
     run = _start(serving, body, ids, max_tokens, "chatcmpl")
     shape = ChatShape(run.id, serving.settings.model_name)
     return await _respond(run, body, request, serving, shape)
@@ -93,6 +96,11 @@ def _start(
         raise APIError(404, f"model {body.model!r} does not exist; this server serves "
                        f"{serving.settings.model_name!r}", "not_found_error", param="model",
                        code="model_not_found")  # fmt: skip
+    unsupported = body.unsupported()
+    if unsupported is not None:
+        raise APIError(400, f"{unsupported} is not supported by this server (the mock has no "
+                       "log-probabilities, tools or structured output); leave it unset",
+                       param=unsupported, code="unsupported_parameter")  # fmt: skip
     params = GenerationParams(
         prompt=ids, max_tokens=max_tokens, stop_token_ids=body.stop_token_ids,
         ignore_eos=body.ignore_eos,

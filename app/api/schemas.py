@@ -48,6 +48,20 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
+    "echo": (None, False),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+}
+
+
 class OpenAIParams(BaseModel):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
@@ -55,16 +69,37 @@ class OpenAIParams(BaseModel):
 
     model: Text | None = None
     max_tokens: MaxTokens | None = None
-    stream: StrictBool = False
+    stream: StrictBool | None = False  # null: the default, as OpenAI accepts
     stream_options: StreamOptions | None = None
     stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=16)] | None = None
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
     ignore_eos: StrictBool = False
     seed: StrictInt | None = Field(None, description="accepted; the mock is deterministic")
-    n: Literal[1] = 1
+    n: Literal[1] | None = 1
     temperature: float | None = None
     top_p: float | None = None
     user: Text | None = None
+
+    # Fields that would change the response's shape (echoed prompt, log-probabilities, tool
+    # calls, JSON mode): this server cannot honour them, so a value other than the neutral one
+    # is refused (see ``unsupported``) rather than silently answered without them.
+    echo: object = None
+    logprobs: object = None
+    top_logprobs: object = None
+    suffix: object = None
+    best_of: object = None
+    tools: object = None
+    tool_choice: object = None
+    functions: object = None
+    function_call: object = None
+    response_format: object = None
+
+    def unsupported(self) -> str | None:
+        """The first field set to a value this server cannot honour, or None."""
+        for name, neutral in NEUTRAL_VALUES.items():
+            if getattr(self, name) not in neutral:
+                return name
+        return None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
