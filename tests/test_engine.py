@@ -229,6 +229,24 @@ async def test_abort_during_a_model_call_drops_that_calls_token_and_refills_the_
     assert model.heads[:2] == [[TAG], [TAG + 1]]
 
 
+async def test_a_cancelled_request_stops_counting_against_the_queue_bound_at_once() -> None:
+    """Found in review: a request cancelled during a model call kept its place in the queue
+    bound until the call ended, so a client that cancelled and resubmitted got a 429."""
+    model = GateModel(MockModel(NEVER_STOPS))
+    async with running(model, num_slots=1, max_waiting=0) as engine:
+        first = engine.submit(seq("first", [TAG], 50))
+        await model.entered.wait()
+        with pytest.raises(QueueFullError):
+            engine.submit(seq("second", [TAG + 1], 2))
+        assert engine.abort("first") and engine.abort("first")  # twice: one abort queued
+        second = engine.submit(seq("second", [TAG + 1], 2))
+        model.gate.set()
+        assert await first.collect() == ([], FinishReason.ABORT, None)
+        assert (await second.collect())[1] is FinishReason.LENGTH
+        await engine.wait_idle()
+        assert not engine.core.aborting
+
+
 async def test_abort_of_an_unknown_request_is_refused() -> None:
     async with running(MockModel(), num_slots=1) as engine:
         assert engine.abort("nobody") is False

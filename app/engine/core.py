@@ -59,6 +59,9 @@ class EngineCore:
         self.runner = runner
         self.scheduler = Scheduler(config.num_slots, config.policy)
         self.live: dict[str, RequestStream] = {}
+        # Live requests with an abort on its way through the inbox: they no longer count
+        # against the queue bound, so a client that cancels can submit again at once.
+        self.aborting: set[str] = set()
         self.observer = observer
         self.clock = clock
 
@@ -76,7 +79,7 @@ class EngineCore:
         """Accept a new request (before it reaches the scheduler) or refuse it."""
         if seq.request_id in self.live:
             raise DuplicateRequestError(f"request id {seq.request_id!r} is already in use")
-        if len(self.live) >= self.config.num_slots + self.config.max_waiting:
+        if len(self.live) - len(self.aborting) >= self.config.num_slots + self.config.max_waiting:
             raise QueueFullError(
                 f"all {self.config.num_slots} slots are busy and the waiting queue is full "
                 f"({self.config.max_waiting} requests)"
@@ -151,6 +154,7 @@ class EngineCore:
         stream = self.live.get(seq.request_id)
         if stream is not None and stream.seq is seq:
             del self.live[seq.request_id]
+            self.aborting.discard(seq.request_id)
             stream.notify()
         if self.observer is not None:
             self.observer.on_finished(seq)

@@ -94,7 +94,9 @@ class Engine:
         no live request has this id."""
         if request_id not in self.core.live:
             return False
-        self._inbox.put_nowait(Abort(request_id, reason))
+        if request_id not in self.core.aborting:
+            self.core.aborting.add(request_id)
+            self._inbox.put_nowait(Abort(request_id, reason))
         return True
 
     async def wait_idle(self) -> None:
@@ -214,3 +216,4 @@ class Engine:
             stream.seq.finish_reason = reason
             stream.notify()
         self.core.live.clear()
+        self.core.aborting.clear()
