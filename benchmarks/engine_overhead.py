@@ -161,7 +161,7 @@ def main() -> None:
     print("   2,000 requests, prompts 4-64 tokens, max_tokens 1-128, 32 slots")
     requests = workload(2000)
     for label, make in (("zero-cost model", ZeroCostModel), ("MockModel (random)", random_mock)):
-        stop = make().stop_token if label.startswith("Mock") else NEVER  # type: ignore[attr-defined]
+        stop = random_mock().language.stop_token if label.startswith("Mock") else NEVER
         ours = median(
             [tokens_per_second(generate, make(), requests, stop) for _ in range(args.repeats)]
         )

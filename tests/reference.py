@@ -9,7 +9,7 @@ def run_alone(
     model: StatelessModel, prompt: list[int], max_tokens: int, stop_token: int, include_stop: bool
 ) -> list[int]:
     """One request by itself: one ``next_tokens([prefix])`` call per generated token."""
-    prefix, generated = list(prompt), []
+    prefix, generated = list(prompt), list[int]()
     while len(generated) < max_tokens:
         (token,) = model.next_tokens([list(prefix)])
         if token == stop_token:

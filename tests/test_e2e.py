@@ -232,10 +232,8 @@ async def test_openai_client_completions_and_chat_streaming_and_not(keyed: Serve
     )  # fmt: skip
     chunks = [chunk async for chunk in stream]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply
-    assert (
-        chunks[-1].usage is not None
-        and chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
-    )  # type: ignore[union-attr]
+    assert chunks[-1].usage is not None and chat.usage is not None
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
     with pytest.raises(openai.AuthenticationError):
         await openai.AsyncOpenAI(base_url=keyed.url + "/v1", api_key="wrong").models.list()
     await client.close()

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -79,7 +79,7 @@ def generate_body(max_tokens: int, stream: bool, request_id: str | None = None) 
     return body
 
 
-def sse_events(response: httpx.Response) -> Iterator[tuple[str, dict[str, Any]]]:
+def sse_events(response: httpx.Response) -> Generator[tuple[str, dict[str, Any]], None, None]:
     """(event, data) per SSE event; comments (pings) are skipped."""
     event, data = "message", ""
     for line in response.iter_lines():
