@@ -6,8 +6,9 @@ Both mock models use it, so their outputs are identical. It reads a bounded part
 
 In text mode (the default) it writes readable English words byte by byte and ends with the stop
 token after a sentence: it stops only at word ends, on average after about
-``1.1 / stop_probability`` tokens (measured: mean 108, median 75 at 0.01). In random mode it draws token ids uniformly from the
-vocabulary (never the stop token) and stops with ``stop_probability`` per token.
+``1.1 / stop_probability`` tokens (measured: mean 108, median 75 at 0.01). In random mode it
+draws token ids uniformly from the vocabulary (never the stop token) and stops with
+``stop_probability`` per token.
 """
 
 from __future__ import annotations
