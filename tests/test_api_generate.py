@@ -202,6 +202,7 @@ async def test_model_failure_is_an_error_event_or_500_and_others_go_on(
         ({"prompt": "hi", "stream": "yes"}, "stream"),
         ({"prompt": "hi", "request_id": "bad id!"}, "request_id"),
         ({"prompt": "hi", "surprise": 1}, "surprise"),
+        ({"prompt": "hi", "foo bar": 1}, "foo bar"),  # a key that looks like a union tag
     ],
 )
 async def test_invalid_fields_are_400_naming_the_field(

@@ -190,6 +190,7 @@ async def test_null_means_the_default_for_n_and_stream(make_client: ClientFactor
     [
         ("/v1/completions", "echo", True),
         ("/v1/completions", "logprobs", 1),
+        ("/v1/completions", "logprobs", 0),
         ("/v1/completions", "suffix", "end"),
         ("/v1/completions", "best_of", 2),
         ("/v1/chat/completions", "logprobs", True),
@@ -217,3 +218,23 @@ async def test_fields_that_would_change_the_reply_are_refused_not_ignored(
 
 
 MESSAGE = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions",
+         {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+         "messages.0.content.0.text"),
+        ("/v1/completions", {"prompt": "x", "stop": ["a", 1]}, "stop.1"),
+        ("/v1/completions", {"prompt": [[1, "x"]]}, "prompt.0.1"),
+    ],
+)  # fmt: skip
+async def test_a_nested_mistake_names_the_innermost_field(
+    make_client: ClientFactory, path: str, body: dict[str, object], param: str
+) -> None:
+    """Found in review: when every member of a union failed on type, the error named the outer
+    field and its string type, though a list was right and one item was wrong."""
+    async with make_client() as client:
+        r = await client.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param

@@ -240,9 +240,12 @@ async def test_a_cancelled_request_stops_counting_against_the_queue_bound_at_onc
             engine.submit(seq("second", [TAG + 1], 2))
         assert engine.abort("first") and engine.abort("first")  # twice: one abort queued
         second = engine.submit(seq("second", [TAG + 1], 2))
+        engine.abort("second")
+        with pytest.raises(QueueFullError):  # but at most another bound's worth of aborts
+            engine.submit(seq("third", [TAG + 2], 2))
         model.gate.set()
         assert await first.collect() == ([], FinishReason.ABORT, None)
-        assert (await second.collect())[1] is FinishReason.LENGTH
+        assert await second.collect() == ([], FinishReason.ABORT, None)
         await engine.wait_idle()
         assert not engine.core.aborting
 
@@ -444,6 +447,65 @@ async def test_stop_releases_every_slot_of_a_cached_model() -> None:
         await stream.collect()
     await engine.stop()
     assert model.cache_usage() == 0
+
+
+class BlockingCachedModel(CachedMockModel):
+    """A cached mock whose ``decode`` waits for ``gate`` and which records every release with
+    whether a decode was running at the time; ``release`` raises when ``fail_release``."""
+
+    blocking = True  # its calls wait: the engine runs them in its worker thread
+
+    def __init__(self, fail_release: bool = False) -> None:
+        super().__init__(1, NEVER_STOPS)
+        self.loop = asyncio.get_running_loop()
+        self.gate = threading.Event()
+        self.entered = asyncio.Event()
+        self.decoding = False
+        self.fail_release = fail_release
+        self.releases: list[tuple[int, bool]] = []
+
+    def decode(self, slots: list[int], last_tokens: list[int | None]) -> list[int]:
+        self.decoding = True
+        self.loop.call_soon_threadsafe(self.entered.set)
+        try:
+            self.gate.wait(timeout=10)
+            return super().decode(slots, last_tokens)
+        finally:
+            self.decoding = False
+
+    def release(self, slot: int) -> None:
+        self.releases.append((slot, self.decoding))
+        if self.fail_release:
+            raise RuntimeError("release failed")
+        super().release(slot)
+
+
+async def test_stopping_twice_never_releases_a_slot_under_an_abandoned_call() -> None:
+    """Found in review: SIGTERM stops the engine twice (the drain, then the lifespan). When the
+    first stop abandoned a stuck call, the second released the slot that call was decoding."""
+    model = BlockingCachedModel()
+    engine = Engine(model, EngineConfig(num_slots=1))
+    await engine.start()
+    stream = engine.submit(seq("a", [TAG], 5))
+    await model.entered.wait()
+    try:
+        await engine.stop(grace=0, call_timeout=0.05)
+        await engine.stop()
+        assert (await stream.collect())[1] is FinishReason.ABORT
+        assert model.releases == []
+    finally:
+        model.gate.set()
+
+
+async def test_a_model_that_fails_to_release_does_not_break_stop() -> None:
+    model = BlockingCachedModel(fail_release=True)
+    model.gate.set()
+    engine = Engine(model, EngineConfig(num_slots=1))
+    await engine.start()
+    stream = engine.submit(seq("a", [TAG], 10**6))
+    await anext(stream)
+    await engine.stop()
+    assert (await stream.collect())[1] is FinishReason.ABORT and not engine.alive
 
 
 async def test_stop_returns_promptly_when_the_last_call_fails(

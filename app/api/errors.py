@@ -94,13 +94,15 @@ _UNION_MEMBER = re.compile(r"[\[\](), -]|^(str|int|float|bool|list|dict|none)$")
 
 def _param(loc: Sequence[object]) -> str | None:
     """The field's dotted path, without "body" and without the tags pydantic adds for the
-    member of a union that was tried (``prompt.list[constrained-int].0`` -> ``prompt.0``)."""
-    parts = [
+    member of a union that was tried (``prompt.list[constrained-int].0`` -> ``prompt.0``). The
+    top-level field is kept whatever its name: it may be a client's unknown key."""
+    parts = [part for part in loc if part != "body"]
+    kept = [str(part) for part in parts[:1]] + [
         str(part)
-        for part in loc
-        if part != "body" and not (isinstance(part, str) and _UNION_MEMBER.search(part))
+        for part in parts[1:]
+        if not (isinstance(part, str) and _UNION_MEMBER.search(part))
     ]
-    return ".".join(parts) or None
+    return ".".join(kept) or None
 
 
 def _field(error: dict[str, Any]) -> object:
@@ -109,16 +111,18 @@ def _field(error: dict[str, Any]) -> object:
 
 
 def _problem(errors: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], str | None, str]:
-    """The error, field and message to report. A union field gets one error per member it tried:
-    one that is not a type mismatch says most (a member matched, but the value is wrong), and
-    when all are type mismatches the message lists every accepted type."""
+    """The error, field and message to report. A union field gets one error per member it tried.
+    One that is not a type mismatch says most: a member matched, but the value is wrong. When
+    all are type mismatches, the deepest one says most (the outer types matched), and the
+    message lists every type accepted there."""
     if not errors:
         return {}, None, "invalid value"
     specific = [e for e in errors if not str(e.get("type", "")).endswith("_type")]
-    chosen = specific[0] if specific else errors[0]
-    param = _param(chosen.get("loc", ()))
     if specific:
-        return chosen, param, str(chosen.get("msg", "invalid value"))
+        chosen = specific[0]
+        return chosen, _param(chosen.get("loc", ())), str(chosen.get("msg", "invalid value"))
+    chosen = max(errors, key=lambda e: len((_param(e.get("loc", ())) or "").split(".")))
+    param = _param(chosen.get("loc", ()))
     kinds = dict.fromkeys(
         str(e.get("msg", "")).removeprefix("Input should be ")
         for e in errors

@@ -50,7 +50,7 @@ class StreamOptions(BaseModel):
 
 NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
     "echo": (None, False),
-    "logprobs": (None, False, 0),
+    "logprobs": (None, False),  # 0 still asks completions for the sampled token's logprob
     "top_logprobs": (None, 0),
     "suffix": (None, ""),
     "best_of": (None, 1),
@@ -97,7 +97,9 @@ class OpenAIParams(BaseModel):
     def unsupported(self) -> str | None:
         """The first field set to a value this server cannot honour, or None."""
         for name, neutral in NEUTRAL_VALUES.items():
-            if getattr(self, name) not in neutral:
+            value = getattr(self, name)
+            # by type as well as value: 0 == False, but only False is a neutral logprobs
+            if not any(type(value) is type(n) and value == n for n in neutral):
                 return name
         return None
 

@@ -79,7 +79,10 @@ class EngineCore:
         """Accept a new request (before it reaches the scheduler) or refuse it."""
         if seq.request_id in self.live:
             raise DuplicateRequestError(f"request id {seq.request_id!r} is already in use")
-        if len(self.live) - len(self.aborting) >= self.config.num_slots + self.config.max_waiting:
+        bound = self.config.num_slots + self.config.max_waiting
+        # A request being aborted frees its place at once, but no more than another whole
+        # bound of them are kept (a submit-and-cancel loop during one long model call).
+        if len(self.live) - len(self.aborting) >= bound or len(self.live) >= 2 * bound:
             raise QueueFullError(
                 f"all {self.config.num_slots} slots are busy and the waiting queue is full "
                 f"({self.config.max_waiting} requests)"
@@ -114,15 +117,15 @@ class EngineCore:
         for seq in self.scheduler.fail_all(error, self.clock()):
             self._finished(seq)
 
-    def release_idle_slots(self) -> None:
-        """No request is running: tell the model to drop every cache it still holds, so its
-        cache usage reads zero while idle. A model that fails here is logged, not fatal (the
-        runner releases again before a slot is reused)."""
-        self.scheduler.take_released()
+    def close_runner(self) -> None:
+        """No model call is running and none is planned: tell the model to drop every cache it
+        still holds (so its cache usage reads zero while idle). A model that fails here is
+        logged, not fatal: the runner releases a slot again before reusing it. Callers first
+        drop the scheduler's pending releases (``Scheduler.take_released``): this covers them."""
         try:
             self.runner.close()
         except Exception:
-            log.exception("the model failed to release its idle slots")
+            log.exception("the model failed to release its slots")
 
     def schedule(self) -> StepPlan:
         return self.scheduler.schedule(self.clock())

@@ -65,6 +65,7 @@ class Engine:
         self._executor: ThreadPoolExecutor | None = None
         self.draining = False
         self.death: BaseException | None = None
+        self._stopping: asyncio.Task[None] | None = None
 
     @property
     def alive(self) -> bool:
@@ -106,10 +107,17 @@ class Engine:
     async def stop(self, grace: float = 0.0, *, call_timeout: float = STUCK_CALL_TIMEOUT) -> None:
         """Drain: refuse new requests, abort waiting ones, let running ones finish for up to
         ``grace`` seconds, abort the rest, then end the engine task. A model call still running
-        ``call_timeout`` seconds later is abandoned. Every open stream has ended on return."""
+        ``call_timeout`` seconds later is abandoned. Every open stream has ended on return.
+        Stopping again (the lifespan after a SIGTERM drain) waits for the first stop."""
         self.draining = True
         if self._task is None:
             return
+        if self._stopping is None:
+            self._stopping = asyncio.create_task(self._stop(grace, call_timeout))
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self, grace: float, call_timeout: float) -> None:
+        assert self._task is not None
         if not self._task.done():
             self._inbox.put_nowait(Signal.DRAIN)
             with contextlib.suppress(TimeoutError):
@@ -125,7 +133,7 @@ class Engine:
                 await self._task
         self._end_leftovers(FinishReason.ABORT, None)
         if not call_abandoned and self.death is None:
-            self.core.runner.close()  # no call is running: the model may release its slots
+            await self._close_runner()  # no call is running: the model may release its slots
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -143,7 +151,8 @@ class Engine:
         while True:
             if not core.scheduler.has_work():
                 if self._inbox.empty():  # a submitted request may still be in the inbox
-                    core.release_idle_slots()
+                    await self._close_runner()
+                if self._inbox.empty():
                     self._idle.set()
                 message = await self._inbox.get()
                 self._idle.clear()
@@ -166,6 +175,15 @@ class Engine:
                 if not self._drain_inbox():
                     return
                 core.complete(plan, tokens)
+
+    async def _close_runner(self) -> None:
+        """``EngineCore.close_runner`` where the model's calls run (its worker thread, if any)."""
+        self.core.scheduler.take_released()
+        if self._executor is None:
+            self.core.close_runner()
+        else:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._executor, self.core.close_runner)
 
     async def _execute(self, plan: StepPlan) -> list[int]:
         if self._executor is None:
