@@ -117,16 +117,14 @@ def _problem(errors: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], str | No
     message lists every type accepted there."""
     if not errors:
         return {}, None, "invalid value"
-    specific = [e for e in errors if not str(e.get("type", "")).endswith("_type")]
+    located = [(error, _param(error.get("loc", ()))) for error in errors]
+    specific = [(e, p) for e, p in located if not str(e.get("type", "")).endswith("_type")]
     if specific:
-        chosen = specific[0]
-        return chosen, _param(chosen.get("loc", ())), str(chosen.get("msg", "invalid value"))
-    chosen = max(errors, key=lambda e: len((_param(e.get("loc", ())) or "").split(".")))
-    param = _param(chosen.get("loc", ()))
+        chosen, param = specific[0]
+        return chosen, param, str(chosen.get("msg", "invalid value"))
+    chosen, param = max(located, key=lambda pair: len((pair[1] or "").split(".")))
     kinds = dict.fromkeys(
-        str(e.get("msg", "")).removeprefix("Input should be ")
-        for e in errors
-        if _param(e.get("loc", ())) == param
+        str(e.get("msg", "")).removeprefix("Input should be ") for e, p in located if p == param
     )
     return chosen, param, "Input should be " + " or ".join(kinds)
 

@@ -5,7 +5,6 @@ drive this class step by step without an event loop.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,8 +15,6 @@ from app.engine.runner import ModelRunner
 from app.engine.scheduler import BatchingPolicy, Scheduler, StepPlan
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
-
-log = logging.getLogger("slotserve.engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,16 +113,6 @@ class EngineCore:
         """End every waiting and running request with ``error`` (the engine is dying)."""
         for seq in self.scheduler.fail_all(error, self.clock()):
             self._finished(seq)
-
-    def close_runner(self) -> None:
-        """No model call is running and none is planned: tell the model to drop every cache it
-        still holds (so its cache usage reads zero while idle). A model that fails here is
-        logged, not fatal: the runner releases a slot again before reusing it. Callers first
-        drop the scheduler's pending releases (``Scheduler.take_released``): this covers them."""
-        try:
-            self.runner.close()
-        except Exception:
-            log.exception("the model failed to release its slots")
 
     def schedule(self) -> StepPlan:
         return self.scheduler.schedule(self.clock())

@@ -18,7 +18,7 @@ from enum import Enum, auto
 
 from app.engine.core import EngineConfig, EngineCore, EngineObserver
 from app.engine.errors import EngineDeadError, EngineDrainingError
-from app.engine.runner import make_runner
+from app.engine.runner import close_quietly, make_runner
 from app.engine.scheduler import StepPlan
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
@@ -177,13 +177,15 @@ class Engine:
                 core.complete(plan, tokens)
 
     async def _close_runner(self) -> None:
-        """``EngineCore.close_runner`` where the model's calls run (its worker thread, if any)."""
+        """No model call is running and none is planned: have the model drop every cache it
+        still holds (so its cache usage reads zero while idle), where its calls run (the worker
+        thread, if any). The scheduler's pending releases are covered by this."""
         self.core.scheduler.take_released()
         if self._executor is None:
-            self.core.close_runner()
+            close_quietly(self.core.runner)
         else:
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._executor, self.core.close_runner)
+            await loop.run_in_executor(self._executor, close_quietly, self.core.runner)
 
     async def _execute(self, plan: StepPlan) -> list[int]:
         if self._executor is None:

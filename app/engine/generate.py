@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from itertools import chain
 
 from app.engine.errors import ModelError
-from app.engine.runner import ModelRunner, make_runner
+from app.engine.runner import close_quietly, make_runner
 from app.engine.scheduler import Scheduler, StepPlan
 from app.engine.types import Request, Sequence
 from app.models.protocol import Model
-
-log = logging.getLogger("slotserve.generate")
 
 
 def generate(
@@ -51,17 +48,8 @@ def generate(
             tokens = _run_step(runner.execute, plan, seqs)
             scheduler.apply(plan, tokens, time.monotonic())
     finally:
-        _close_quietly(runner)
+        close_quietly(runner)
     return {seq.request_id: seq.generated for seq in seqs}
-
-
-def _close_quietly(runner: ModelRunner) -> None:
-    """Release the model's slots; a failure to do so must not hide the results, or the error
-    that ended the run, so it is only logged."""
-    try:
-        runner.close()
-    except Exception:
-        log.warning("the model failed to release its slots after generate()", exc_info=True)
 
 
 def validate_requests(requests: list[Request], num_slots: int, stop_token: int) -> None:

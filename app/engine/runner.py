@@ -3,6 +3,7 @@ comes back. This is the only code that talks to a model; it never changes schedu
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 from app.engine.errors import ModelOutputError
@@ -10,6 +11,8 @@ from app.engine.scheduler import StepPlan
 from app.engine.types import Sequence
 from app.models.latency import STEP_STARTED
 from app.models.protocol import CachedModel, Model, StatelessModel
+
+log = logging.getLogger("slotserve.engine")
 
 
 class ModelRunner(Protocol):
@@ -103,6 +106,16 @@ class CachedRunner:
         if slot in self._assigned:
             self._assigned.discard(slot)
             self.model.release(slot)
+
+
+def close_quietly(runner: ModelRunner) -> None:
+    """``runner.close()``, logging a failure instead of raising it: a model that cannot release
+    its slots must not hide a run's results or the error that ended it, nor stop a shutdown.
+    The runner releases a slot again before reusing it."""
+    try:
+        runner.close()
+    except Exception:
+        log.exception("the model failed to release its slots")
 
 
 def make_runner(model: Model, num_slots: int, pad_sequence: list[int] | None = None) -> ModelRunner:
