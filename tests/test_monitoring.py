@@ -150,7 +150,11 @@ class Traffic:
             turn = worker
             while not self.stopping.is_set():
                 index = turn % len(self.urls)
-                response = http.post(self.urls[index] + "/generate", json=body)
+                try:
+                    response = http.post(self.urls[index] + "/generate", json=body)
+                except httpx.HTTPError as err:
+                    self.errors.append(repr(err))
+                    return
                 if response.status_code != 200:
                     self.errors.append(response.text)
                 self.sent[index] += 1
@@ -201,7 +205,8 @@ def test_monitoring_prometheus_scrapes_two_replicas_and_every_dashboard_query_an
             "slotserve": [f"127.0.0.1:{replica.port}" for replica in replicas],
             "prometheus": ["self"],
         }
-        prometheus = stack.enter_context(running_prometheus(tmp_path, targets, "1s"))
+        interval = f"{SCRAPE_SECONDS:g}s"
+        prometheus = stack.enter_context(running_prometheus(tmp_path, targets, interval))
         traffic = stack.enter_context(Traffic([replica.url for replica in replicas]).running())
         wait_until(lambda: both_scraped(prometheus, replicas), 20, "both replicas scraped")
 
@@ -214,12 +219,15 @@ def test_monitoring_prometheus_scrapes_two_replicas_and_every_dashboard_query_an
 def check_every_panel_answers(
     prometheus: Prometheus, name: str, dashboard: dict[str, Any], instances: list[str]
 ) -> None:
-    """The dashboard's variables find the model and both replicas, and each of its queries,
-    with the variables filled in, returns a finite value."""
+    """Each of the dashboard's variables finds values (the model variable the served model,
+    the replica variable both replicas), and each of its queries, with the variables filled
+    in, returns a finite value."""
     variables = DashboardVariables(dashboard, SCRAPE_SECONDS)
     found = variables.resolve(prometheus)
-    assert found.get("model") == ["slotserve-mock"], (name, found)
-    assert found.get("instance") == sorted(instances), (name, found)
+    assert all(found.values()), f"{name}: a variable finds nothing: {found}"
+    expected = {"model": ["slotserve-mock"], "instance": sorted(instances)}
+    for variable, values in expected.items():
+        assert found.get(variable, values) == values, (name, variable, found)
     queries = [(query, variables.fill(query.expr)) for query in dashboard_queries(dashboard)]
     # Rates need two scrapes with traffic in between: poll until every query answers.
     failing = unanswered(prometheus, queries)
