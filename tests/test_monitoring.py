@@ -207,13 +207,23 @@ def test_monitoring_prometheus_scrapes_two_replicas_and_every_dashboard_query_an
         }
         interval = f"{SCRAPE_SECONDS:g}s"
         prometheus = stack.enter_context(running_prometheus(tmp_path, targets, interval))
-        traffic = stack.enter_context(Traffic([replica.url for replica in replicas]).running())
-        wait_until(lambda: both_scraped(prometheus, replicas), 20, "both replicas scraped")
-
-        for name, dashboard in load_dashboards().items():
-            check_every_panel_answers(prometheus, name, dashboard, targets["slotserve"])
-        check_rules_loaded_and_evaluated(prometheus)
+        with Traffic([replica.url for replica in replicas]).running() as traffic:
+            wait_until(lambda: both_scraped(prometheus, replicas), 20, "both replicas scraped")
+            for name, dashboard in load_dashboards().items():
+                check_every_panel_answers(prometheus, name, dashboard, targets["slotserve"])
+            check_rules_loaded_and_evaluated(prometheus)
         assert all(traffic.sent) and not traffic.errors, (traffic.sent, traffic.errors[:3])
+
+        # A replica that dies is noticed for real: its ReplicaDown alert becomes pending.
+        replicas[1].process.kill()
+        dead = f"127.0.0.1:{replicas[1].port}"
+        wait_until(lambda: dead in alerted(prometheus, "SlotserveReplicaDown"), 15, "the alert")
+
+
+def alerted(prometheus: Prometheus, name: str) -> set[str]:
+    """The instances for which alert ``name`` is pending or firing."""
+    alerts = prometheus.api("alerts")["alerts"]
+    return {a["labels"].get("instance", "") for a in alerts if a["labels"]["alertname"] == name}
 
 
 def check_every_panel_answers(
