@@ -4,6 +4,8 @@ names request-specific values; it must hold no slot and be counted apart from re
 
 from __future__ import annotations
 
+import asyncio
+import math
 import re
 from collections.abc import Callable
 
@@ -12,6 +14,10 @@ import pytest
 from conftest import ClientFactory, serving_of
 from sse import parse_sse
 
+from app.api.faults import FaultInjector
+from app.cli import parse
+from app.config import FAILURE_TYPES, Settings
+from app.metrics import EngineMetrics
 from app.serving import GenerationParams
 
 FAIL = "x-slotserve-fail"
@@ -197,3 +203,182 @@ def _outline(body: str) -> tuple[str, list[tuple[str, object]]]:
         else:
             others.append((event.event, data))
     return text, others
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample of the Prometheus text ``text``."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name, labels)
+
+
+async def test_every_failure_type_is_exported_at_zero(make_client: ClientFactory) -> None:
+    async with make_client() as client:
+        text = (await client.get("/metrics")).text
+    for kind in (*FAILURE_TYPES, "mid_stream"):
+        assert metric(text, "slotserve:injected_failures_total", type=kind) == 0
+
+
+STATUSES = {
+    "rate_limit": 429,
+    "invalid_api_key": 401,
+    "context_length": 400,
+    "model_not_found": 404,
+    "engine_overloaded": 503,
+}
+
+
+async def test_injected_failures_hold_no_slot_and_are_counted_apart_from_real_ones(
+    make_client: ClientFactory,
+) -> None:
+    settings = {"num_slots": 1, "max_waiting": 0, "mock_step_ms": 2, "allow_fault_headers": True}
+    async with make_client(**settings) as client:
+        serving = serving_of(client)
+        holder = serving.submit(GenerationParams(prompt=[65], max_tokens=5000, ignore_eos=True))
+        await anext(holder)  # the only slot is busy and nothing may wait
+        stream = {"prompt": "hi", "max_tokens": 5}
+        r = await client.post("/generate", json=stream, headers={FAIL: "server_error"})
+        assert r.status_code == 200 and [e.event for e in parse_sse(r.text)] == ["error"]
+        for kind, status in STATUSES.items():  # answered, although nothing can be queued
+            r = await client.post("/generate", json=stream, headers={FAIL: kind})
+            assert r.status_code == status
+        assert serving.engine.core.num_waiting == 0
+        serving.abort(holder.request_id)
+        text = (await client.get("/metrics")).text
+    assert metric(text, "slotserve:injected_failures_total", type="server_error") == 1
+    for kind in STATUSES:
+        assert metric(text, "slotserve:injected_failures_total", type=kind) == 1
+    assert "slotserve:model_call_failures_total{" not in text  # exported once it counts
+    assert "slotserve:requests_rejected_total{" not in text
+
+
+async def test_a_broken_stream_frees_its_slot_and_counts_as_mid_stream_not_a_model_failure(
+    make_client: ClientFactory,
+) -> None:
+    settings = {"num_slots": 1, "mock_step_ms": 1, "allow_fault_headers": True}
+    async with make_client(**settings) as client:
+        serving = serving_of(client)
+        long = {"prompt": "hi", "max_tokens": 5000, "ignore_eos": True}
+        async with client.stream("POST", "/generate", json=long, headers={FAIL_AFTER: "2"}) as r:
+            body = (await r.aread()).decode()
+        events = parse_sse(body)
+        assert len([t for e in events if e.event == "token" for t in e.data["tokens"]]) == 2
+        assert events[-1].event == "error"
+        await asyncio.wait_for(serving.engine.wait_idle(), 5)  # aborted, not run to 5000
+        assert serving.engine.core.num_running == 0
+        ok = await client.post("/generate", json={"prompt": "hi", "max_tokens": 3, "stream": False})
+        assert ok.status_code == 200
+        text = (await client.get("/metrics")).text
+    assert metric(text, "slotserve:injected_failures_total", type="mid_stream") == 1
+    assert "slotserve:model_call_failures_total{" not in text
+    assert metric(text, "vllm:generation_tokens_total") < 100
+
+
+async def test_a_break_after_zero_tokens_sends_only_the_error(make_client: ClientFactory) -> None:
+    async with make_client(allow_fault_headers=True) as client:
+        body = {"model": "slotserve-mock", "prompt": "hi", "max_tokens": 50, "stream": True}
+        r = await client.post("/v1/completions", json=body, headers={FAIL_AFTER: "0"})
+    (error,) = parse_sse(r.text)
+    assert error.data["error"]["code"] == "model_error"
+
+
+@pytest.mark.parametrize("header", [FAIL, FAIL_AFTER])
+@pytest.mark.parametrize(("path", "body"), ROUTES)
+async def test_fault_headers_are_refused_without_allow_fault_headers(
+    make_client: ClientFactory, header: str, path: str, body: dict[str, object]
+) -> None:
+    value = "rate_limit" if header == FAIL else "3"
+    async with make_client() as client:
+        r = await client.post(path, json=body, headers={header: value})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["code"] == "fault_headers_not_allowed" and error["param"] == header
+    assert "--allow-fault-headers" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("header", "value"),
+    [(FAIL, "teapot"), (FAIL, ""), (FAIL_AFTER, "-1"), (FAIL_AFTER, "2.5"), (FAIL_AFTER, "x")],
+)
+async def test_a_bad_fault_header_is_a_400_naming_it(
+    make_client: ClientFactory, header: str, value: str
+) -> None:
+    async with make_client(allow_fault_headers=True) as client:
+        r = await client.post("/generate", json=NATIVE[1], headers={header: value})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == header and header in r.json()["error"]["message"]
+
+
+async def test_a_real_error_wins_over_an_injected_one(make_client: ClientFactory) -> None:
+    async with make_client(allow_fault_headers=True, failure_rate=1.0) as client:
+        too_long = {"prompt": "hi", "max_tokens": 9000}
+        r = await client.post("/generate", json=too_long, headers={FAIL: "rate_limit"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+N_DRAWS = 2000
+
+
+@pytest.mark.parametrize("rate", [0.01, 0.1, 0.5, 0.9])
+def test_the_share_of_failed_requests_is_the_failure_rate(rate: float) -> None:
+    """Over 2,000 seeded requests, the share failed is within 3 standard deviations of F,
+    and so is each type's share of F / number of types."""
+    types = "rate_limit,server_error,engine_overloaded"
+    settings = Settings(failure_rate=rate, failure_types=types, seed=7)
+    injector = FaultInjector(settings, EngineMetrics("m", 1))
+    draws = [injector.draw_failure() for _ in range(N_DRAWS)]
+    assert within_3_sd(sum(d is not None for d in draws), N_DRAWS, rate)
+    for kind in types.split(","):
+        assert within_3_sd(draws.count(kind), N_DRAWS, rate / 3)
+
+
+def within_3_sd(count: int, n: int, p: float) -> bool:
+    return abs(count - n * p) <= 3 * math.sqrt(n * p * (1 - p))
+
+
+async def test_the_failure_rate_applies_to_served_requests(make_client: ClientFactory) -> None:
+    """The decision above is what the routes use: F of the requests fail, each with its
+    real status, and the metric counts them."""
+    n, rate = 300, 0.5
+    types = "rate_limit,server_error,engine_overloaded"
+    async with make_client(failure_rate=rate, failure_types=types, seed=3) as client:
+        body = {"prompt": "hi", "max_tokens": 1, "stream": False}
+        statuses = [(await client.post("/generate", json=body)).status_code for _ in range(n)]
+        text = (await client.get("/metrics")).text
+    assert within_3_sd(sum(status != 200 for status in statuses), n, rate)
+    for kind, status in (("rate_limit", 429), ("server_error", 500), ("engine_overloaded", 503)):
+        counted = metric(text, "slotserve:injected_failures_total", type=kind)
+        assert counted == statuses.count(status) > 0
+
+
+def test_the_same_seed_injects_the_same_failures() -> None:
+    def draws(seed: int) -> list[str | None]:
+        settings = Settings(failure_rate=0.3, seed=seed)
+        injector = FaultInjector(settings, EngineMetrics("m", 1))
+        return [injector.draw_failure() for _ in range(200)]
+
+    assert draws(1) == draws(1) != draws(2)
+    assert set(draws(1)) == {None, *FAILURE_TYPES}
+
+
+@pytest.mark.parametrize("value", ["rate_limit,teapot", "", " , "])
+def test_an_unknown_failure_type_is_a_one_line_usage_error(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse(["serve", "--failure-types", value])
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message.startswith("slotserve: error: --failure-types (SLOTSERVE_FAILURE_TYPES)")
+    assert "rate_limit, invalid_api_key" in message
+
+
+def test_fault_flags_parse() -> None:
+    _, settings = parse(
+        ["serve", "--failure-rate", "0.2", "--failure-types", " server_error , rate_limit",
+         "--failure-mid-stream-rate", "0.1", "--allow-fault-headers"]
+    )  # fmt: skip
+    assert (settings.failure_rate, settings.failure_mid_stream_rate) == (0.2, 0.1)
+    assert settings.failure_types == "server_error,rate_limit" and settings.allow_fault_headers
+    assert not parse(["serve"])[1].allow_fault_headers
