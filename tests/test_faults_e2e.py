@@ -32,7 +32,8 @@ async def test_an_injected_429_is_the_real_one_over_http(faulty: ServerProcess) 
             "/generate", json=body, headers={"x-slotserve-fail": "rate_limit"}
         )
         async with client.stream("POST", "/generate", json=LONG) as holder:
-            await anext(holder.aiter_lines())  # its first event: it holds the only slot
+            lines = holder.aiter_lines()  # kept: a dropped iterator closes the response
+            await anext(lines)  # its first event: it holds the only slot
             real = await client.post("/generate", json=body)
     assert real.status_code == 429
     assert _comparable(injected) == _comparable(real)
