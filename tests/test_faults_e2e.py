@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from deploy_files import REPO
 from server_process import ServerProcess, running_server
+from test_nginx import NGINX, Nginx, Replica, start_replicas
+from test_nginx import client as nginx_client
 
 WAIT = 10.0
 LONG = {"prompt": "Tell me everything ", "max_tokens": 8000, "ignore_eos": True}
@@ -77,3 +83,41 @@ async def test_the_openai_client_sees_a_broken_stream_as_an_error_after_the_toke
             text += chunk.choices[0].delta.content or "" if chunk.choices else ""
     assert len(text.encode()) == 4  # the mock writes one byte per token
     await client.close()
+
+
+NO_RETRY = "sed 's/ http_429 http_503//'"  # README: how to let injected 429/503 through nginx
+
+
+@pytest.mark.skipif(NGINX is None, reason="no nginx binary found")
+def test_nginx_hides_injected_429s_unless_the_readme_turns_its_retries_off(
+    tmp_path: Path,
+) -> None:
+    assert NO_RETRY in (REPO / "README.md").read_text()
+    injecting = ("--failure-rate", "1", "--failure-types", "rate_limit")
+    with ExitStack() as stack:
+        replicas = Replica(tmp_path, "faulty", *injecting), Replica(tmp_path, "clean")
+        start_replicas(stack, tmp_path, *replicas)
+        upstreams = [f"127.0.0.1:{r.port}" for r in replicas]
+        for name in ("shipped", "off"):
+            (tmp_path / name).mkdir()
+        shipped, no_retry = (
+            Nginx(tmp_path / "shipped", upstreams),
+            Nginx(tmp_path / "off", upstreams),
+        )
+        no_retry.conf.write_text(
+            subprocess.run(
+                ["sh", "-c", NO_RETRY], input=no_retry.conf.read_text(), text=True,
+                capture_output=True, check=True,
+            ).stdout
+        )  # fmt: skip
+        for nginx in (shipped, no_retry):
+            stack.callback(nginx.stop)
+            nginx.start()
+        with nginx_client() as http:
+            body = {"prompt": "hi", "max_tokens": 2, "stream": False}
+            hidden = [http.post(shipped.url + "/generate", json=body) for _ in range(6)]
+            shown = [http.post(no_retry.url + "/generate", json=body) for _ in range(6)]
+    assert [r.status_code for r in hidden] == [200] * 6  # retried on the clean replica
+    refused = [r for r in shown if r.status_code == 429]
+    assert refused and all(r.headers["retry-after"] == "1" for r in refused)
+    assert {r.json()["error"]["code"] for r in refused} == {"queue_full"}
