@@ -362,6 +362,25 @@ def test_the_same_seed_injects_the_same_failures() -> None:
     assert set(draws(1)) == {None, *FAILURE_TYPES}
 
 
+def test_a_server_that_injects_failures_says_so_at_start(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING", logger="slotserve.faults"):
+        FaultInjector(Settings(), EngineMetrics("m", 1))
+        assert caplog.records == []
+        FaultInjector(Settings(failure_rate=0.25), EngineMetrics("m", 1))
+    (record,) = caplog.records
+    assert "failure injection is on: failure rate 0.25" in record.getMessage()
+
+
+def test_the_fault_flags_are_also_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLOTSERVE_ALLOW_FAULT_HEADERS", "true")
+    monkeypatch.setenv("SLOTSERVE_FAILURE_TYPES", "rate_limit")
+    _, settings = parse(["serve"])
+    assert settings.allow_fault_headers and settings.failure_types == "rate_limit"
+    assert not parse(["serve", "--no-allow-fault-headers"])[1].allow_fault_headers
+
+
 @pytest.mark.parametrize("value", ["rate_limit,teapot", "", " , "])
 def test_an_unknown_failure_type_is_a_one_line_usage_error(
     value: str, capsys: pytest.CaptureFixture[str]

@@ -74,6 +74,12 @@ class FaultInjector:
         self._model_name = metrics.model_name
         for kind in (*FAILURE_TYPES, MID_STREAM):
             self._counter.labels(self._model_name, kind)  # exported at 0
+        if self.rate or self.mid_stream_rate or self.allow_headers:
+            log.warning(
+                "failure injection is on: failure rate %g (%s), mid-stream rate %g, fault "
+                "headers %s", self.rate, settings.failure_types, self.mid_stream_rate,
+                "allowed" if self.allow_headers else "refused",
+            )  # fmt: skip
 
     def submit(
         self,
