@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable
 
 from fastapi import Request
 
@@ -53,6 +53,7 @@ log = logging.getLogger("slotserve.faults")
 
 FAIL_HEADER = "x-slotserve-fail"
 FAIL_AFTER_HEADER = "x-slotserve-fail-after"
+FAULT_HEADER_PREFIX = FAIL_HEADER.encode()  # both names start with it (ASGI: lower case)
 MID_STREAM = "mid_stream"  # the metric's type for a broken stream
 BROKEN = -1
 
@@ -93,7 +94,7 @@ class FaultInjector:
     ) -> RequestStream:
         """``serving.submit(params)``, unless a failure is injected (see the module's contract).
         ``model`` is the model the request named, if any (for ``model_not_found``)."""
-        forced, after = self._headers(request.headers)
+        forced, after = self._headers(request.scope["headers"])
         seq = serving.prepare(params, id_prefix)
         failure = forced or self.draw_failure()
         if failure is not None:
@@ -117,9 +118,16 @@ class FaultInjector:
             return self.rng.randrange(seq.max_tokens)
         return None
 
-    def _headers(self, headers: Mapping[str, str]) -> tuple[str | None, int | None]:
-        """The failure and break point the request's headers ask for; 400 if not allowed."""
-        fail, after = headers.get(FAIL_HEADER), headers.get(FAIL_AFTER_HEADER)
+    def _headers(self, raw: Iterable[tuple[bytes, bytes]]) -> tuple[str | None, int | None]:
+        """The failure and break point the request's (ASGI) headers ask for; 400 if they may
+        not ask."""
+        fail = after = None
+        for key, value in raw:  # one pass over the raw headers, not two lookups
+            if key.startswith(FAULT_HEADER_PREFIX):
+                if key == FAIL_HEADER.encode():
+                    fail = value.decode("latin-1")
+                elif key == FAIL_AFTER_HEADER.encode():
+                    after = value.decode("latin-1")
         if (fail is None and after is None) or self.allow_headers:
             return _failure_type(fail), _token_count(after)
         name = FAIL_HEADER if fail is not None else FAIL_AFTER_HEADER
