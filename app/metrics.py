@@ -104,6 +104,9 @@ class EngineMetrics:
             "slotserve:requests_rejected_total", "Requests refused before queueing.", ["reason"]
         )
         self.model_failures = counter("slotserve:model_call_failures_total", "Failed model calls.")
+        self.injected_failures = counter(
+            "slotserve:injected_failures_total", "Failures injected on purpose.", ["type"]
+        )  # app/api/faults.py: not model-call failures, not rejections
         self.ttft = histogram(
             "vllm:time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS
         )

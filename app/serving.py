@@ -8,14 +8,14 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from app.api.errors import APIError
+from app.api.errors import APIError, context_length_exceeded, refusal
 from app.config import Settings
 from app.engine.core import EngineConfig
 from app.engine.engine import Engine
 from app.engine.errors import (
     DuplicateRequestError,
-    EngineDeadError,
     EngineDrainingError,
+    EngineError,
     QueueFullError,
 )
 from app.engine.scheduler import BatchingPolicy
@@ -90,22 +90,20 @@ class Serving:
 
     def submit(self, params: GenerationParams, id_prefix: str = "gen") -> RequestStream:
         """Validate ``params`` against the model and queue the request; ``APIError`` if refused."""
-        seq = self._sequence(params, id_prefix)
+        return self.enqueue(self.prepare(params, id_prefix))
+
+    def prepare(self, params: GenerationParams, id_prefix: str = "gen") -> Sequence:
+        """The request as a sequence, checked against the model (vocabulary, context length);
+        ``APIError`` (400) if it does not fit. Nothing is queued yet."""
+        return self._sequence(params, id_prefix)
+
+    def enqueue(self, seq: Sequence) -> RequestStream:
+        """Queue a prepared sequence; ``APIError`` (429, 409, 503) if the engine refuses it."""
         try:
             return self.engine.submit(seq)
-        except QueueFullError as err:
-            self.metrics.reject("queue_full")
-            raise APIError(429, str(err), "overloaded_error", code="queue_full",
-                           headers={"Retry-After": "1"}) from err  # fmt: skip
-        except DuplicateRequestError as err:
-            self.metrics.reject("duplicate_id")
-            raise APIError(409, str(err), param="request_id", code="duplicate_request_id") from err
-        except EngineDrainingError as err:
-            self.metrics.reject("draining")
-            raise APIError(503, str(err), "service_unavailable", code="draining") from err
-        except EngineDeadError as err:
-            self.metrics.reject("engine_dead")
-            raise APIError(503, str(err), "service_unavailable", code="engine_dead") from err
+        except EngineError as err:
+            self.metrics.reject(_REJECT_REASONS.get(type(err), "engine_dead"))
+            raise refusal(err) from err
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """End a live request early (``reason`` is ``abort``, or ``stop`` for a stop string);
@@ -162,10 +160,15 @@ class Serving:
         if requested is not None:
             max_tokens = requested
         if room < 0 or max_tokens > room:
-            raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) "
-                           f"exceeds the context length of {context} tokens",
-                           param="max_tokens", code="context_length_exceeded")  # fmt: skip
+            raise context_length_exceeded(prompt_len, max_tokens, context)
         return max_tokens
+
+
+_REJECT_REASONS: dict[type[EngineError], str] = {
+    QueueFullError: "queue_full",
+    DuplicateRequestError: "duplicate_id",
+    EngineDrainingError: "draining",
+}  # the reason label of slotserve:requests_rejected_total; any other refusal: engine_dead
 
 
 @functools.lru_cache(maxsize=256)

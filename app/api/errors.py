@@ -16,6 +16,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.engine.errors import (
+    DuplicateRequestError,
+    EngineDrainingError,
+    EngineError,
+    QueueFullError,
+)
+
 log = logging.getLogger("slotserve.api")
 
 INVALID = "invalid_request_error"
@@ -145,3 +152,46 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
         error_body("internal server error", "server_error", None, "internal_error"),
         status_code=500,
     )
+
+
+# The errors a failure can be injected as (app/api/faults.py) are built here, by the functions
+# that build the real ones, so an injected failure cannot drift from the real one.
+
+RETRY_AFTER = "1"  # seconds, on 429 (queue full) and 503 (draining, engine dead)
+
+
+def refusal(err: EngineError) -> APIError:
+    """The answer to a submit the engine refused: 429 queue full, 409 duplicate id, 503
+    draining or engine dead. 429 and 503 carry ``Retry-After``."""
+    retry = {"Retry-After": RETRY_AFTER}
+    if isinstance(err, QueueFullError):
+        return APIError(429, str(err), "overloaded_error", code="queue_full", headers=retry)
+    if isinstance(err, DuplicateRequestError):
+        return APIError(409, str(err), param="request_id", code="duplicate_request_id")
+    code = "draining" if isinstance(err, EngineDrainingError) else "engine_dead"
+    return APIError(503, str(err), "service_unavailable", code=code, headers=retry)
+
+
+def invalid_api_key() -> APIError:
+    """401 for a missing or wrong ``Authorization: Bearer <key>``."""
+    return APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+                    "authentication_error", code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+
+
+def context_length_exceeded(prompt_len: int, max_tokens: int, context: int) -> APIError:
+    """400 for a prompt plus ``max_tokens`` that does not fit in the context length."""
+    return APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds "
+                    f"the context length of {context} tokens", param="max_tokens",
+                    code="context_length_exceeded")  # fmt: skip
+
+
+def model_not_found(requested: str, served: str) -> APIError:
+    """404 for an OpenAI ``model`` that this server does not serve."""
+    return APIError(404, f"model {requested!r} does not exist; this server serves {served!r}",
+                    "not_found_error", param="model", code="model_not_found")  # fmt: skip
+
+
+def model_failed_message(error: BaseException | None) -> str:
+    """The message of a request that a failed model call ended (HTTP 500 or an error event)."""
+    return f"model call failed: {error!r}"
