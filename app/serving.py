@@ -102,7 +102,7 @@ class Serving:
         try:
             return self.engine.submit(seq)
         except EngineError as err:
-            self.metrics.reject(_REJECT_REASONS.get(type(err), "engine_dead"))
+            self.metrics.reject(REJECTION_REASONS.get(type(err), "engine_dead"))
             raise refusal(err) from err
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
@@ -164,7 +164,7 @@ class Serving:
         return max_tokens
 
 
-_REJECT_REASONS: dict[type[EngineError], str] = {
+REJECTION_REASONS: dict[type[EngineError], str] = {
     QueueFullError: "queue_full",
     DuplicateRequestError: "duplicate_id",
     EngineDrainingError: "draining",
