@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from server_process import free_port, running_server
 
 from app.bench.cli import main
-from tests.server_process import free_port, running_server
 
 STEP_MS = 3.0
 
