@@ -102,6 +102,7 @@ def test_sse_decoder_yields_the_same_events_however_the_bytes_are_cut(cuts: list
 def test_native_events_count_token_ids_and_openai_chunks_count_text() -> None:
     assert count_token_ids(EXPECTED[0][1]) == 3
     assert count_token_ids(EXPECTED[1][1]) == 0
+    assert count_token_ids(b'{"tokens": [4, 5], "text": "]"}') == 2  # json.dumps spacing
     native = NativeTarget()
     assert native.parse("done", b'{"finish_reason":"length"}').end
     assert native.parse("error", b'{"error":{"message":"boom"}}').error == "boom"

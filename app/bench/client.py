@@ -128,14 +128,14 @@ class OpenAITarget:
 
 
 def count_token_ids(data: bytes) -> int:
-    """The number of ids in a native token event's ``"tokens":[...]`` list, without a JSON
+    """The number of ids in a native token event's ``"tokens": [...]`` list, without a JSON
     decoder (the list holds only integers, so its commas count its items)."""
-    start = data.find(b'"tokens":[')
-    if start < 0:
+    key = data.find(b'"tokens":')
+    if key < 0:
         return 0
-    start += 10
+    start = data.find(b"[", key) + 1
     end = data.find(b"]", start)
-    if end == start:
+    if start == 0 or end < 0 or not data[start:end].strip():
         return 0
     return data.count(b",", start, end) + 1
 
