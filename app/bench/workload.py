@@ -56,8 +56,8 @@ def parse_lengths(text: str) -> Lengths:
     low, high = numbers
     if kind == "uniform" and not 0 <= low <= high:
         raise WorkloadError(f"uniform needs 0 <= LO <= HI, got {text!r}")
-    if kind == "exp" and not 1 <= low <= high:
-        raise WorkloadError(f"exp needs 1 <= MEAN <= CAP, got {text!r}")
+    if kind == "exp" and not (low >= 1 and high >= 1):
+        raise WorkloadError(f"exp needs MEAN >= 1 and CAP >= 1, got {text!r}")
     return Lengths(kind, low, high)
 
 
