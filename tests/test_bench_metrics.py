@@ -54,7 +54,7 @@ def test_summary_counts_every_status_but_times_only_completed_requests() -> None
     results[3].error = "HTTP 429: queue full"
     s = summarize(results, duration_s=2.0)
     assert (s.requests, s.completed, s.cancelled, s.failed) == (4, 2, 1, 1)
-    assert s.output_tokens == 5 and s.received_tokens == 6
+    assert s.output_tokens == 5 and s.received_tokens == 6 and s.output_chunks == 4
     assert s.request_throughput == 1.0 and s.output_throughput == 2.5
     assert s.ttft_ms.mean == pytest.approx(200.0) and s.ttft_ms.count == 2
     assert s.tpot_ms.count == 2

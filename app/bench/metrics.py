@@ -64,6 +64,7 @@ class Summary:
     failed: int
     duration_s: float
     output_tokens: int
+    output_chunks: int  # reads that carried output, over completed requests
     received_tokens: int
     request_throughput: float
     output_throughput: float
@@ -131,6 +132,7 @@ def summarize(
         failed=sum(r.status == "failed" for r in results),
         duration_s=duration_s,
         output_tokens=output_tokens,
+        output_chunks=sum(len(r.chunks) for r in completed),
         received_tokens=sum(r.tokens for r in results),
         request_throughput=len(completed) * rate,
         output_throughput=output_tokens * rate,

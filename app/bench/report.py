@@ -42,6 +42,7 @@ def summary_dict(summary: Summary) -> dict[str, Any]:
         "request_throughput": _round(summary.request_throughput),
         "output_throughput": _round(summary.output_throughput),
         "output_tokens": summary.output_tokens,
+        "output_chunks": summary.output_chunks,
         "received_tokens": summary.received_tokens,
         "goodput": None if summary.goodput is None else _round(summary.goodput),
     }
@@ -64,6 +65,7 @@ def document(run: RunOutput, slo: Mapping[str, float], setup: Mapping[str, Any])
         "slo": dict(slo),
         "server_generation_tokens": run.server_tokens,
         "tool_cpu_per_worker": [round(share, 3) for share in run.worker_cpu],
+        "tool_cpu_seconds": round(run.cpu_s, 3),
         "tool_saturated": run.saturated,
         "errors": summary.errors,
         "setup": dict(setup),

@@ -69,6 +69,7 @@ class RunOutput:
     results: list[RequestResult]
     duration_s: float
     worker_cpu: list[float]
+    cpu_s: float = 0.0  # the workers' CPU seconds over the measured part, summed
     samples: list[Sample] = field(default_factory=list)
     started: float = 0.0
     server_tokens: float | None = None
@@ -208,6 +209,7 @@ class _Books:
             results=[by_index[spec.index] for spec in order],
             duration_s=max(out.ended for out in outputs) - self.started,
             worker_cpu=[out.cpu_s / out.wall_s if out.wall_s > 0 else 0.0 for out in outputs],
+            cpu_s=sum(out.cpu_s for out in outputs),
             samples=self.monitor.samples if self.monitor else [],
             started=self.started,
             server_tokens=delta,
