@@ -4,6 +4,7 @@ bad arguments or an unreachable server end in one line with exit status 2 or 1."
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -111,3 +112,32 @@ def test_report_writes_the_charts(server_url: str, tmp_path: Path) -> None:
                  "--report", str(tmp_path))  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert {p.name for p in tmp_path.iterdir()} >= {"latency_cdf.png", "server_load.png"}
+
+
+def test_a_protected_server_is_measured_with_the_key_from_the_environment(
+    tmp_path: Path,
+) -> None:
+    with running_server("--api-key", "sesame", "--mock-step-ms", "1") as server:
+        args = ("--url", server.url, "--num-requests", "3", "--output-len", "4")
+        refused = bench(*args)
+        assert refused.returncode == 1 and "HTTP 401" in refused.stdout
+        out = tmp_path / "r.json"
+        env = {**os.environ, "SLOTSERVE_API_KEY": "sesame"}
+        allowed = subprocess.run([sys.executable, "-m", "app", "bench", "--no-progress", *args,
+                                  "--json", str(out)], capture_output=True, text=True, env=env,
+                                 timeout=60)  # fmt: skip
+        assert allowed.returncode == 0, allowed.stderr
+        body = json.loads(out.read_text())
+        assert body["completed"] == 3 and body["server_samples"]  # /slots needs the key too
+        assert "sesame" not in out.read_text()
+
+
+def test_slotserve_bench_is_a_subcommand_of_the_main_cli(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from app.cli import main as slotserve
+
+    with pytest.raises(SystemExit) as exit_info:
+        slotserve(["bench", "--num-requests", "0"])
+    assert exit_info.value.code == 2
+    assert "slotserve bench: error: --num-requests" in capsys.readouterr().err

@@ -169,8 +169,9 @@ def _setup(
         )
         warmup = workload.build(warm)
     headers = [_header(h) for h in args.header]
-    if args.api_key:
-        headers.append(("Authorization", f"Bearer {args.api_key}"))
+    api_key = args.api_key or os.environ.get("SLOTSERVE_API_KEY")  # never shown in --help
+    if api_key:
+        headers.append(("Authorization", f"Bearer {api_key}"))
     monitor = {"auto": "slots" if args.api == "native" else "metrics", "off": None}
     config = RunConfig(
         url=args.url.rstrip("/"),
