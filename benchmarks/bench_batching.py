@@ -5,7 +5,9 @@ exponential with mean 128, capped at 32 / 128 / 512 / 1536; the stop token ignor
 servers (``--batching continuous`` and ``static``) run the same seeded workload. For each cap it
 prints output tokens/s of both, their ratio, the schedule's limit for that ratio (static steps /
 continuous steps for the sampled lengths, ``app/bench/schedule.py``), and efficiency =
-achieved / ideal tokens/s (ideal: the schedule's steps at exactly one step time each).
+achieved / ideal tokens/s (ideal: the schedule's steps at exactly one step time each). The
+server's ``slotserve:step_duration_seconds`` count and sum split the efficiency in two: steps
+taken against the schedule's steps, and the mean step against the nominal step time.
 
 Run: python benchmarks/bench_batching.py [--num-requests 1000] [--caps 32,128,512,1536]
      [--chart docs/bench_batching.png] [any slotserve serve flag, passed through]
@@ -16,12 +18,21 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import httpx
 from _serve import bench, engine_commit, slotserve
 
+from app.bench.monitor import parse_prometheus
 from app.bench.schedule import continuous_steps, static_steps
 from app.bench.workload import WorkloadConfig, build, parse_lengths
 
 PROMPT = "8"
+STEPS = "slotserve:step_duration_seconds_count"
+STEP_SECONDS = "slotserve:step_duration_seconds_sum"
+
+
+def step_books(url: str) -> dict[str, float]:
+    """The server's decode steps so far and the seconds they took."""
+    return parse_prometheus(httpx.get(url + "/metrics").text, {STEPS, STEP_SECONDS})
 
 
 def lengths(n: int, cap: int, mean: int, seed: int) -> list[int]:
@@ -44,13 +55,18 @@ def measure(args: argparse.Namespace, server_flags: list[str]) -> dict[str, dict
     with slotserve(*flags("continuous")) as cont_url, slotserve(*flags("static")) as static_url:
         for cap in args.caps:
             for policy, url in (("continuous", cont_url), ("static", static_url)):
+                before = step_books(url)
                 body = bench(url, "--num-requests", str(args.num_requests), "--prompt-len",
                              PROMPT, "--output-len", f"exp:{args.mean}:{cap}", "--seed",
                              str(args.seed), "--workers", str(args.workers))  # fmt: skip
+                after = step_books(url)
+                body["steps"] = after[STEPS] - before[STEPS]
+                body["step_s"] = (after[STEP_SECONDS] - before[STEP_SECONDS]) / body["steps"]
                 results[policy][cap] = body
                 print(f"  {policy:>10} cap {cap:>5}: {body['output_throughput']:>9,.0f} "
-                      f"tokens/s in {body['duration_s']:.1f} s, tool CPU "
-                      f"{body['tool_cpu_per_worker']}", flush=True)  # fmt: skip
+                      f"tokens/s in {body['duration_s']:.1f} s, {body['steps']:.0f} steps of "
+                      f"{body['step_s'] * 1000:.1f} ms, tool CPU {body['tool_cpu_per_worker']}",
+                      flush=True)  # fmt: skip
     return results
 
 
@@ -75,7 +91,8 @@ def main() -> None:
     )
     results = measure(args, server_flags)
     print(f"{'cap':>5} {'mean':>6} {'cont tok/s':>11} {'static tok/s':>12} {'ratio':>6} "
-          f"{'limit':>6} {'of limit':>8} {'cont eff':>8} {'static eff':>10}")  # fmt: skip
+          f"{'limit':>6} {'of limit':>8} {'cont eff':>8} {'static eff':>10} "
+          f"{'cont steps':>15} {'static steps':>15} {'step ms c/s':>12}")  # fmt: skip
     rows = []
     for cap in args.caps:
         drawn = lengths(args.num_requests, cap, args.mean, args.seed)
@@ -89,9 +106,18 @@ def main() -> None:
         rows.append((cap, ratio, limit, eff))
         print(f"{cap:>5} {sum(drawn) / len(drawn):>6.1f} {got['continuous']:>11,.0f} "
               f"{got['static']:>12,.0f} {ratio:>6.2f} {limit:>6.2f} {ratio / limit:>8.0%} "
-              f"{eff['continuous']:>8.3f} {eff['static']:>10.3f}")  # fmt: skip
+              f"{eff['continuous']:>8.3f} {eff['static']:>10.3f} "
+              f"{_steps(results['continuous'][cap], steps['continuous']):>15} "
+              f"{_steps(results['static'][cap], steps['static']):>15} "
+              f"{results['continuous'][cap]['step_s'] * 1000:>6.1f}/"
+              f"{results['static'][cap]['step_s'] * 1000:<5.1f}")  # fmt: skip
     if args.chart:
         chart(args.chart, rows)
+
+
+def _steps(body: dict[str, Any], ideal: int) -> str:
+    """Steps the server took / the schedule's ideal."""
+    return f"{body['steps']:.0f}/{ideal}"
 
 
 def chart(path: str, rows: list[tuple[int, float, float, dict[str, float]]]) -> None:
