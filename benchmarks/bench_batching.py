@@ -7,7 +7,9 @@ prints output tokens/s of both, their ratio, the schedule's limit for that ratio
 continuous steps for the sampled lengths, ``app/bench/schedule.py``), and efficiency =
 achieved / ideal tokens/s (ideal: the schedule's steps at exactly one step time each). The
 server's ``slotserve:step_duration_seconds`` count and sum split the efficiency in two: steps
-taken against the schedule's steps, and the mean step against the nominal step time.
+taken against the schedule's steps, and the mean step against the nominal step time. The step
+ratio (static steps taken / continuous steps taken) is the ratio with the step time factored
+out: on a machine whose load changes from run to run, it shows what the scheduler achieved.
 
 Run: python benchmarks/bench_batching.py [--num-requests 1000] [--caps 32,128,512,1536]
      [--chart docs/bench_batching.png] [any slotserve serve flag, passed through]
@@ -92,7 +94,8 @@ def main() -> None:
     results = measure(args, server_flags)
     print(f"{'cap':>5} {'mean':>6} {'cont tok/s':>11} {'static tok/s':>12} {'ratio':>6} "
           f"{'limit':>6} {'of limit':>8} {'cont eff':>8} {'static eff':>10} "
-          f"{'cont steps':>15} {'static steps':>15} {'step ms c/s':>12}")  # fmt: skip
+          f"{'cont steps':>15} {'static steps':>15} {'step ms c/s':>12} "
+          f"{'step ratio':>10} {'of limit':>8}")  # fmt: skip
     rows = []
     for cap in args.caps:
         drawn = lengths(args.num_requests, cap, args.mean, args.seed)
@@ -103,14 +106,16 @@ def main() -> None:
         ideal = {p: sum(drawn) / (steps[p] * args.step_ms / 1000) for p in steps}
         ratio, limit = got["continuous"] / got["static"], steps["static"] / steps["continuous"]
         eff = {p: got[p] / ideal[p] for p in steps}
-        rows.append((cap, ratio, limit, eff))
+        step_ratio = results["static"][cap]["steps"] / results["continuous"][cap]["steps"]
+        rows.append((cap, ratio, limit, eff, step_ratio))
         print(f"{cap:>5} {sum(drawn) / len(drawn):>6.1f} {got['continuous']:>11,.0f} "
               f"{got['static']:>12,.0f} {ratio:>6.2f} {limit:>6.2f} {ratio / limit:>8.0%} "
               f"{eff['continuous']:>8.3f} {eff['static']:>10.3f} "
               f"{_steps(results['continuous'][cap], steps['continuous']):>15} "
               f"{_steps(results['static'][cap], steps['static']):>15} "
               f"{results['continuous'][cap]['step_s'] * 1000:>6.1f}/"
-              f"{results['static'][cap]['step_s'] * 1000:<5.1f}")  # fmt: skip
+              f"{results['static'][cap]['step_s'] * 1000:<5.1f} "
+              f"{step_ratio:>10.2f} {step_ratio / limit:>8.0%}")  # fmt: skip
     if args.chart:
         chart(args.chart, rows)
 
@@ -120,7 +125,10 @@ def _steps(body: dict[str, Any], ideal: int) -> str:
     return f"{body['steps']:.0f}/{ideal}"
 
 
-def chart(path: str, rows: list[tuple[int, float, float, dict[str, float]]]) -> None:
+Row = tuple[int, float, float, dict[str, float], float]
+
+
+def chart(path: str, rows: list[Row]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -129,8 +137,9 @@ def chart(path: str, rows: list[tuple[int, float, float, dict[str, float]]]) -> 
     labels = [str(cap) for cap, *_ in rows]
     xs = range(len(rows))
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.bar([x - 0.2 for x in xs], [r[1] for r in rows], 0.4, label="measured ratio")
-    left.bar([x + 0.2 for x in xs], [r[2] for r in rows], 0.4, label="schedule's limit")
+    left.bar([x - 0.27 for x in xs], [r[1] for r in rows], 0.27, label="tokens/s ratio")
+    left.bar(list(xs), [r[4] for r in rows], 0.27, label="step ratio (server's steps)")
+    left.bar([x + 0.27 for x in xs], [r[2] for r in rows], 0.27, label="schedule's limit")
     left.set_title("continuous / static output tokens/s")
     right.bar([x - 0.2 for x in xs], [r[3]["continuous"] for r in rows], 0.4, label="continuous")
     right.bar([x + 0.2 for x in xs], [r[3]["static"] for r in rows], 0.4, label="static")

@@ -4,7 +4,7 @@
 Capacity is measured first: a closed loop with twice as many requests in flight as slots keeps
 every slot busy, and its request throughput is the most the server can complete.
 
-Run: python benchmarks/bench_load.py [--seconds 8] [--chart docs/bench_load.png]
+Run: python benchmarks/bench_load.py [--seconds 12] [--chart docs/bench_load.png]
      [any slotserve serve flag, passed through, e.g. --num-slots 16]
 """
 
@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=10.0)
     parser.add_argument("--output-len", default="64")
     parser.add_argument("--prompt-len", default="32")
-    parser.add_argument("--seconds", type=float, default=8.0, help="arrivals per load level")
+    parser.add_argument("--seconds", type=float, default=12.0, help="arrivals per load level")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chart", default=None, help="write a PNG here")
     args, server_flags = parser.parse_known_args()  # fmt: skip

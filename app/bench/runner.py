@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import queue
 import resource
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
 from typing import Any, Literal
@@ -264,7 +266,7 @@ def _run_forked(
     for process in processes:
         process.start()
     try:
-        return asyncio.run(_parent(config, specs, messages, go, start, progress))
+        return asyncio.run(_parent(config, specs, processes, messages, go, start, progress))
     finally:
         for process in processes:
             process.join(timeout=5)
@@ -275,6 +277,7 @@ def _run_forked(
 async def _parent(
     config: RunConfig,
     specs: Sequence[RequestSpec],
+    processes: Sequence[BaseProcess],
     messages: Queue[tuple[str, Any]],
     go: Event,
     start: Any,
@@ -283,7 +286,13 @@ async def _parent(
     books = _Books(config)
     ready, outputs = 0, list[WorkerOutput]()
     while len(outputs) < config.workers:
-        kind, payload = await asyncio.to_thread(messages.get)
+        try:
+            kind, payload = await asyncio.to_thread(messages.get, timeout=1.0)
+        except queue.Empty:
+            dead = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+            if dead:
+                raise BenchError(f"a worker died (exit code {dead[0]})") from None
+            continue
         if kind == "ready":
             ready += 1
             if ready == config.workers:
