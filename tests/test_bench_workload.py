@@ -112,3 +112,18 @@ def test_native_events_count_token_ids_and_openai_chunks_count_text() -> None:
     usage = openai.parse("message", b'{"choices":[],"usage":{"completion_tokens":7}}')
     assert usage.total_tokens == 7 and usage.tokens == 0
     assert openai.parse("message", b"[DONE]").end
+
+
+async def test_an_event_that_is_not_json_fails_that_request_only() -> None:
+    import httpx
+
+    from app.bench.client import send
+    from app.bench.workload import RequestSpec
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=httpx.ByteStream(b"data: {not json\n\n"))
+
+    transport = httpx.MockTransport(reply)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        result = await send(client, OpenAITarget(), RequestSpec(0, (1, 2), 4, 0.0))
+    assert result.status == "failed" and result.error and "bad event" in result.error

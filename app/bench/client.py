@@ -153,6 +153,8 @@ async def send(client: httpx.AsyncClient, target: Target, spec: RequestSpec) -> 
             await _read(response, target, spec, result)
     except httpx.HTTPError as err:
         result.status, result.error = "failed", f"{type(err).__name__}: {err}"
+    except ValueError as err:  # an event whose data is not the JSON the API promises
+        result.status, result.error = "failed", f"bad event: {err}"
     return result
 
 
