@@ -326,6 +326,8 @@ def _worker_main(
 
     try:
         output = asyncio.run(drive(config, specs, warmup, concurrency, ready, done))
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the parent reports it
+        return
     except Exception as err:  # reported to the parent, which ends the run in one line
         messages.put(("error", f"{type(err).__name__}: {err}"))
         return
