@@ -90,3 +90,19 @@ def test_static_batches_last_as_long_as_their_longest_request() -> None:
     assert static_steps(lengths, 2) == 10 + 1 + 10
     assert continuous_steps(lengths, 2) == 13  # slot A: 10 then 1; slot B: 1, 1, 1 then 10
     assert continuous_steps([5] * 4, 4) == 5 == static_steps([5] * 4, 4)
+
+
+def test_the_summary_warns_when_a_worker_saturated_a_core() -> None:
+    from rich.console import Console
+
+    from app.bench.report import print_summary
+    from app.bench.runner import RunOutput
+
+    def printed(cpu: list[float]) -> str:
+        console = Console(record=True, width=120)
+        run = RunOutput([result(0.0, [0.1, 0.2], tokens=2)], duration_s=1.0, worker_cpu=cpu)
+        print_summary(console, run, {})
+        return console.export_text()
+
+    assert "may be the bottleneck" in printed([0.5, 0.95])
+    assert "bottleneck" not in printed([0.5, 0.6])
