@@ -1,5 +1,6 @@
-"""``python -m app serve``."""
+"""``python -m app serve`` and ``python -m app bench``."""
 
 from app.cli import main
 
-main()
+if __name__ == "__main__":
+    main()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import typing
 from collections.abc import Sequence
 from typing import Any
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for name, field in Settings.model_fields.items():
         _add_flag(serve, name, field.annotation, field.default, field.description or "")
+    commands.add_parser("bench", help="load-test a server (slotserve bench --help)", add_help=False)
     return parser
 
 
@@ -55,7 +57,12 @@ def _literal_choices(annotation: Any) -> list[str] | None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    command, settings = parse(argv)
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["bench"]:  # its own parser: app/bench/cli.py
+        from app.bench.cli import main as bench
+
+        raise SystemExit(bench(args[1:]))
+    command, settings = parse(args)
     if command == "serve":
         serve(settings)
 

@@ -1,0 +1,143 @@
+"""``python -m app bench`` against real servers: its counts agree with the server's books, and
+bad arguments or an unreachable server end in one line with exit status 2 or 1."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from server_process import free_port, running_server
+
+from app.bench.cli import main
+
+STEP_MS = 3.0
+
+
+def bench(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "app", "bench", "--no-progress", *args],
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def run_json(url: str, tmp_path: Path, *args: str) -> dict[str, Any]:
+    out = tmp_path / "result.json"
+    done = bench("--url", url, "--json", str(out), *args)
+    assert done.returncode == 0, done.stderr
+    body: dict[str, Any] = json.loads(out.read_text())
+    return body
+
+
+@pytest.fixture(scope="module")
+def server_url() -> Any:
+    with running_server("--num-slots", "8", "--mock-step-ms", str(STEP_MS)) as server:
+        yield server.url
+
+
+def test_tokens_received_equal_the_servers_generated_tokens(
+    server_url: str, tmp_path: Path
+) -> None:
+    body = run_json(server_url, tmp_path, "--num-requests", "40", "--concurrency", "12",
+                    "--output-len", "uniform:1:30", "--warmup", "4", "--workers", "2")  # fmt: skip
+    assert (body["completed"], body["cancelled"], body["failed"]) == (40, 0, 0)
+    assert body["received_tokens"] == body["server_generation_tokens"]
+    assert body["output_tokens"] == body["received_tokens"] > 0
+    assert body["ttft_ms"]["p50"] >= STEP_MS  # no token before one model step
+    assert set(body["tpot_ms"]) == {"mean", "p50", "p90", "p99"}
+    assert len(body["tool_cpu_per_worker"]) == 2
+
+
+def test_with_cancellations_every_request_is_accounted_for_and_none_is_overcounted(
+    server_url: str, tmp_path: Path
+) -> None:
+    body = run_json(server_url, tmp_path, "--num-requests", "40", "--concurrency", "12",
+                    "--output-len", "60", "--cancel-rate", "0.5", "--seed", "2")  # fmt: skip
+    assert body["completed"] + body["cancelled"] + body["failed"] == 40
+    assert body["cancelled"] > 0 and body["failed"] == 0
+    # the server may generate a step or two past a cancel before it sees the disconnect
+    assert body["received_tokens"] <= body["server_generation_tokens"]
+
+
+def test_the_openai_api_is_measured_with_usage_counts(server_url: str, tmp_path: Path) -> None:
+    body = run_json(server_url, tmp_path, "--api", "openai", "--num-requests", "10",
+                    "--concurrency", "5", "--output-len", "12")  # fmt: skip
+    assert body["completed"] == 10
+    assert body["received_tokens"] == 120 == body["server_generation_tokens"]
+
+
+def test_an_unreachable_server_is_one_line_and_exit_1() -> None:
+    done = bench("--url", f"http://127.0.0.1:{free_port()}", "--num-requests", "1")
+    assert done.returncode == 1
+    assert done.stderr.count("\n") == 1 and "cannot reach" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--num-requests", "0"], "--num-requests"),
+        (["--output-len", "exp:5"], "exp:5"),
+        (["--slo", "ttft=1"], "ttft=1"),
+        (["--concurrency", "0"], "--concurrency"),
+        (["--header", "novalue"], "--header"),
+        (["--request-rate", "fast"], "--request-rate"),
+    ],
+)
+def test_a_bad_argument_is_one_line_and_exit_2(
+    args: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and named in err
+
+
+def test_report_without_matplotlib_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--report", str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install 'slotserve[bench]'" in err
+
+
+def test_report_writes_the_charts(server_url: str, tmp_path: Path) -> None:
+    done = bench("--url", server_url, "--num-requests", "8", "--output-len", "5",
+                 "--report", str(tmp_path))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert {p.name for p in tmp_path.iterdir()} >= {"latency_cdf.png", "server_load.png"}
+
+
+def test_a_protected_server_is_measured_with_the_key_from_the_environment(
+    tmp_path: Path,
+) -> None:
+    with running_server("--api-key", "sesame", "--mock-step-ms", "1") as server:
+        args = ("--url", server.url, "--num-requests", "3", "--output-len", "4")
+        refused = bench(*args)
+        assert refused.returncode == 1 and "HTTP 401" in refused.stdout
+        out = tmp_path / "r.json"
+        env = {**os.environ, "SLOTSERVE_API_KEY": "sesame"}
+        allowed = subprocess.run([sys.executable, "-m", "app", "bench", "--no-progress", *args,
+                                  "--json", str(out)], capture_output=True, text=True, env=env,
+                                 timeout=60)  # fmt: skip
+        assert allowed.returncode == 0, allowed.stderr
+        body = json.loads(out.read_text())
+        assert body["completed"] == 3 and body["server_samples"]  # /slots needs the key too
+        assert "sesame" not in out.read_text()
+
+
+def test_slotserve_bench_is_a_subcommand_of_the_main_cli(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from app.cli import main as slotserve
+
+    with pytest.raises(SystemExit) as exit_info:
+        slotserve(["bench", "--num-requests", "0"])
+    assert exit_info.value.code == 2
+    assert "slotserve bench: error: --num-requests" in capsys.readouterr().err
