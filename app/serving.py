@@ -19,11 +19,11 @@ from app.engine.errors import (
     QueueFullError,
 )
 from app.engine.scheduler import BatchingPolicy
+from app.engine.step_clock import StepCosts
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
 from app.metrics import EngineMetrics
 from app.models.cached_mock import CachedMockModel
-from app.models.latency import LatencyProfile
 from app.models.mock import MockModel
 from app.models.mock_language import MockLanguage
 from app.models.protocol import Model
@@ -43,17 +43,32 @@ class GenerationParams:
 
 
 def build_model(settings: Settings) -> Model:
-    """The built-in mock named by ``settings.model``, with the configured latency."""
+    """The built-in mock named by ``settings.model``."""
     language = MockLanguage(seed=settings.seed, stop_probability=settings.mock_stop_probability)
-    latency = LatencyProfile(
-        base_ms=settings.mock_step_ms,
-        per_seq_ms=settings.mock_per_seq_ms,
-        per_prefill_token_ms=settings.mock_prefill_ms,
+    if settings.model == "mock":
+        return MockModel(language)
+    return CachedMockModel(settings.num_slots, language)
+
+
+def engine_config(settings: Settings) -> EngineConfig:
+    """The engine's limits and step clock from the settings."""
+    costs = StepCosts(
+        step_ms=settings.mock_step_ms,
+        prefill_token_ms=settings.mock_prefill_ms,
+        decode_token_ms=settings.mock_per_seq_ms,
         jitter=settings.mock_jitter,
     )
-    if settings.model == "mock":
-        return MockModel(language, latency)
-    return CachedMockModel(settings.num_slots, language, latency)
+    return EngineConfig(
+        num_slots=settings.num_slots,
+        max_waiting=settings.max_waiting,
+        policy=BatchingPolicy(settings.batching),
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_prefill_chunk=settings.max_prefill_chunk,
+        block_size=settings.block_size,
+        kv_cache_tokens=settings.kv_cache_tokens or settings.num_slots * settings.max_model_len,
+        step_costs=costs,
+        seed=settings.seed,
+    )
 
 
 class Serving:
@@ -64,14 +79,8 @@ class Serving:
         self.tokenizer = ByteTokenizer()
         self.model = model if model is not None else build_model(settings)
         self.metrics = EngineMetrics(settings.model_name, settings.num_slots)
-        config = EngineConfig(
-            num_slots=settings.num_slots,
-            max_waiting=settings.max_waiting,
-            policy=BatchingPolicy(settings.batching),
-        )
-        self.engine = Engine(self.model, config, observer=self.metrics)
-        usage = getattr(self.model, "cache_usage", None)
-        self.metrics.bind(self.engine.core, usage if callable(usage) else None)
+        self.engine = Engine(self.model, engine_config(settings), observer=self.metrics)
+        self.metrics.bind(self.engine.core)
         self.started_at = time.time()
 
     @property

@@ -12,27 +12,46 @@ from typing import Protocol
 
 from app.engine.errors import DuplicateRequestError, QueueFullError
 from app.engine.runner import ModelRunner
-from app.engine.scheduler import BatchingPolicy, Scheduler, StepPlan
+from app.engine.scheduler import BatchingPolicy, Scheduler, SchedulerConfig
+from app.engine.step import ModelOutput, SchedulerOutput, StepOutcome
+from app.engine.step_clock import StepCosts
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
+    """The engine's limits; see ``SchedulerConfig`` for the token budget and KV fields."""
+
     num_slots: int = 8
     max_waiting: int = 1024  # requests that may wait beyond the free slots before submit() refuses
     policy: BatchingPolicy = BatchingPolicy.CONTINUOUS
+    max_num_batched_tokens: int | None = None
+    max_prefill_chunk: int | None = None
+    block_size: int = 16
+    kv_cache_tokens: int | None = None
+    step_costs: StepCosts = StepCosts()  # the simulated step time (zero: none)
+    seed: int = 0  # the step clock's jitter
     # Run each model call in a worker thread, unless the model declares ``blocking = False``
     # (its calls are quick and never wait: a thread hop would cost more than the call).
     offload_model_calls: bool = True
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            num_slots=self.num_slots,
+            policy=self.policy,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_prefill_chunk=self.max_prefill_chunk,
+            block_size=self.block_size,
+            kv_cache_tokens=self.kv_cache_tokens,
+        )
 
 
 class EngineObserver(Protocol):
     """Receives the engine's events (metrics, logs). Called on the engine task; must be quick."""
 
-    def on_step(self, plan: StepPlan, ended: float) -> None:
-        """Once per model call, after its tokens or its failure were applied; ``ended`` is the
-        clock reading then (``plan.started_at`` is the step's start)."""
+    def on_step(self, outcome: StepOutcome) -> None:
+        """Once per model call, after its tokens or its failure were applied."""
         ...
 
     def on_finished(self, seq: Sequence) -> None:
@@ -54,7 +73,7 @@ class EngineCore:
     ) -> None:
         self.config = config
         self.runner = runner
-        self.scheduler = Scheduler(config.num_slots, config.policy)
+        self.scheduler = Scheduler(config.scheduler_config())
         self.live: dict[str, RequestStream] = {}
         # Live requests with an abort on its way through the inbox: they no longer count
         # against the queue bound, so a client that cancels can submit again at once.
@@ -114,31 +133,28 @@ class EngineCore:
         for seq in self.scheduler.fail_all(error, self.clock()):
             self._finished(seq)
 
-    def schedule(self) -> StepPlan:
+    def schedule(self) -> SchedulerOutput:
         return self.scheduler.schedule(self.clock())
 
-    def complete(self, plan: StepPlan, tokens: list[int]) -> None:
-        """The model call for ``plan`` returned ``tokens``: apply them and publish."""
-        now = self.clock()
-        self.scheduler.apply(plan, tokens, now)
-        self._publish(plan, now)
+    def update(self, out: SchedulerOutput, result: ModelOutput) -> None:
+        """The model call for ``out`` returned ``result``: apply it and publish."""
+        self._publish(self.scheduler.update(out, result, self.clock()))
 
-    def fail(self, plan: StepPlan, error: BaseException) -> None:
-        """The model call for ``plan`` raised: its requests end with ``error``; others go on."""
-        now = self.clock()
-        self.scheduler.fail(plan, error, now)
-        self._publish(plan, now)
+    def fail(self, out: SchedulerOutput, error: BaseException) -> None:
+        """The model call for ``out`` raised: its requests end with ``error``; others go on."""
+        self._publish(self.scheduler.fail(out, error, self.clock()))
 
-    def _publish(self, plan: StepPlan, now: float) -> None:
-        live = self.live
-        for seq in plan.batch:
-            stream = live.get(seq.request_id)
-            if stream is not None and stream.seq is seq:
-                stream.notify()
-        for seq in plan.finished:
+    def _publish(self, outcome: StepOutcome) -> None:
+        live, out = self.live, outcome.output
+        for seqs in (out.decode_seqs, out.prefill_seqs):
+            for seq in seqs:
+                stream = live.get(seq.request_id)
+                if stream is not None and stream.seq is seq:
+                    stream.notify()
+        for seq in outcome.finished:
             self._finished(seq)
         if self.observer is not None:
-            self.observer.on_step(plan, now)
+            self.observer.on_step(outcome)
 
     def _finished(self, seq: Sequence) -> None:
         stream = self.live.get(seq.request_id)

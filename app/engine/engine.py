@@ -2,9 +2,10 @@
 
 Handlers never touch engine state. ``submit()`` registers a request and posts it to the inbox;
 ``abort()`` posts an abort. The loop drains the inbox at every step boundary (and awaits it when
-there is no work: no polling), schedules, runs the model call in a worker thread so the event
-loop keeps streaming, then applies aborts that arrived during the call before the call's tokens,
-so an aborted request's slot is free, and refilled, before the next model call.
+there is no work: no polling), schedules, runs the model call (in a worker thread for a model
+that blocks, so the event loop keeps streaming), sleeps on the event loop until the step
+clock's deadline, then applies aborts that arrived during the step before the step's tokens, so
+an aborted request's slot is free, and refilled, before the next model call.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from enum import Enum, auto
 from app.engine.core import EngineConfig, EngineCore, EngineObserver
 from app.engine.errors import EngineDeadError, EngineDrainingError
 from app.engine.runner import close_quietly, make_runner
-from app.engine.scheduler import StepPlan
+from app.engine.step import ModelOutput, SchedulerOutput
+from app.engine.step_clock import StepClock
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
 from app.models.protocol import Model
@@ -59,6 +61,7 @@ class Engine:
         self.model = model
         self.config = config
         self.core = EngineCore(make_runner(model, config.num_slots), config, observer)
+        self.clock = StepClock(config.step_costs, config.seed)
         self._inbox: asyncio.Queue[Message] = asyncio.Queue()
         self._idle = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -160,21 +163,21 @@ class Engine:
                     return
             if not self._drain_inbox():
                 return
-            plan = core.schedule()
-            if not plan.batch:
+            out = core.schedule()
+            if out.empty:
                 continue
             try:
-                tokens = await self._execute(plan)
+                result = await self._execute(out)
             except Exception as err:
-                log.warning("model call failed for %d requests: %r", len(plan.batch), err)
+                log.warning("model call failed for %d requests: %r", len(out.scheduled()), err)
                 running = self._drain_inbox()
-                core.fail(plan, err)
+                core.fail(out, err)
                 if not running:
                     return
             else:
                 if not self._drain_inbox():
                     return
-                core.complete(plan, tokens)
+                core.update(out, result)
 
     async def _close_runner(self) -> None:
         """No model call is running and none is planned: have the model drop every cache it
@@ -187,12 +190,21 @@ class Engine:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._executor, close_quietly, self.core.runner)
 
-    async def _execute(self, plan: StepPlan) -> list[int]:
+    async def _execute(self, out: SchedulerOutput) -> ModelOutput:
+        """The model call, then the rest of the step clock's time on the event loop (a sleep
+        that nothing has to wait for: streams, submits and aborts run meanwhile)."""
         if self._executor is None:
+            result = self.core.runner.execute(out)
+        else:
+            loop = asyncio.get_running_loop()
+            result = await loop.run_in_executor(self._executor, self.core.runner.execute, out)
+        if self.clock.enabled:
+            deadline = self.clock.deadline(out.started_at, out.num_prefill_tokens,
+                                           out.num_decode_tokens)  # fmt: skip
+            await asyncio.sleep(max(0.0, deadline - self.core.clock()))
+        else:
             await asyncio.sleep(0)  # let streams, submits and aborts run between steps
-            return self.core.runner.execute(plan)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.core.runner.execute, plan)
+        return result
 
     def _drain_inbox(self) -> bool:
         """Apply every queued message; False once SHUTDOWN is read."""
