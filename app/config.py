@@ -39,9 +39,7 @@ class Settings(BaseSettings):
         "cached-mock", description="built-in model: stateless mock or per-slot KV-cache mock"
     )
     mock_step_ms: float = Field(0.0, ge=0, description="step clock: ms per step (b0)")
-    mock_per_seq_ms: float = Field(
-        0.0, ge=0, description="step clock: ms per decode token (b2)"
-    )
+    mock_per_seq_ms: float = Field(0.0, ge=0, description="step clock: ms per decode token (b2)")
     mock_prefill_ms: float = Field(0.0, ge=0, description="step clock: ms per prefill token (b1)")
     mock_jitter: float = Field(0.0, ge=0, le=0.3, description="step latency std-dev / mean")
     mock_stop_probability: float = Field(

@@ -19,7 +19,7 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
 )
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from app.engine.core import EngineCore
@@ -61,6 +61,22 @@ class WeightedHistogram(Collector):
         yield family
 
 
+class ObserverErrors(Collector):
+    """``slotserve:observer_errors_total``: exceptions this observer raised into the engine,
+    which contained them (read from the engine, so it counts even when metrics are broken)."""
+
+    def __init__(self, core: EngineCore, labels: dict[str, str]) -> None:
+        self.core, self.labels = core, labels
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "slotserve:observer_errors", "Errors raised by the metrics observer (contained).",
+            labels=list(self.labels),
+        )  # fmt: skip
+        family.add_metric(list(self.labels.values()), sum(self.core.observer_errors.values()))
+        yield family
+
+
 class EngineMetrics:
     """Implements ``EngineObserver``; owns its own registry (one per app, test-friendly)."""
 
@@ -87,6 +103,9 @@ class EngineMetrics:
         )
         self.slots_total = gauge("slotserve:slots_total", "Batch slots.")
         self.slots_occupied = gauge("slotserve:slots_occupied", "Batch slots holding a request.")
+        self.slots_out_of_service = gauge(
+            "slotserve:slots_out_of_service", "Slots whose cache the model failed to reset."
+        )
         self.prompt_tokens = counter("vllm:prompt_tokens_total", "Prefilled prompt tokens.")
         self.generation_tokens = counter("vllm:generation_tokens_total", "Generated tokens.")
         self.success = counter(
@@ -135,6 +154,9 @@ class EngineMetrics:
         self.slots_occupied.labels(name).set_function(lambda: core.num_running)
         self.slots_total.labels(name).set(core.config.num_slots)
         self.cache_usage.labels(name).set_function(lambda: books.usage)
+        slots = core.scheduler.slots
+        self.slots_out_of_service.labels(name).set_function(lambda: len(slots.out_of_service))
+        self.registry.register(ObserverErrors(core, {"model_name": name}))
 
     def reject(self, reason: str) -> None:
         self.rejected.labels(self.model_name, reason).inc()

@@ -20,13 +20,14 @@ from app.engine.errors import (
 )
 from app.engine.scheduler import BatchingPolicy
 from app.engine.step_clock import StepCosts
+from app.engine.stop_strings import StopStrings
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
 from app.metrics import EngineMetrics
 from app.models.cached_mock import CachedMockModel
 from app.models.mock import MockModel
 from app.models.mock_language import MockLanguage
-from app.models.protocol import Model
+from app.models.protocol import DEFAULT_SAMPLING, Model, SamplingParams
 from app.models.tokenizer import ByteTokenizer
 
 
@@ -37,9 +38,12 @@ class GenerationParams:
     prompt: list[int]
     max_tokens: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    stop_strings: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     request_id: str | None = None
     priority: int = 0
+    sampling: SamplingParams = DEFAULT_SAMPLING
+    user: str | None = None
 
 
 def build_model(settings: Settings) -> Model:
@@ -124,10 +128,13 @@ class Serving:
     def slots(self) -> list[dict[str, object]]:
         """The slot table now, one entry per slot (like llama.cpp's ``/slots``)."""
         table, now = self.engine.core.scheduler.slots, time.monotonic()
+        out_of_service = table.out_of_service
         out: list[dict[str, object]] = []
         for index in range(table.capacity):
             seq = table.get(index)
             entry: dict[str, object] = {"id": index, "is_processing": seq is not None}
+            if index in out_of_service:
+                entry["out_of_service"] = True
             if seq is not None:
                 entry |= {
                     "request_id": seq.request_id,
@@ -135,6 +142,10 @@ class Serving:
                     "n_decoded": seq.num_generated,
                     "max_tokens": seq.max_tokens,
                     "n_remain": seq.max_tokens - seq.num_generated,
+                    "n_computed": seq.num_computed_tokens,
+                    "prefilling": seq.prefilling,
+                    "priority": seq.priority,
+                    "preemptions": seq.num_preemptions,
                     "age_seconds": round(now - seq.times.arrival, 6),
                 }
             out.append(entry)
@@ -147,13 +158,19 @@ class Serving:
         self._check_vocabulary(params.stop_token_ids, "stop_token_ids")
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
-            stops.add(self.eos_token_id)
+            stops.update(self.tokenizer.stop_token_ids)
+        text_stop = None
+        if params.stop_strings:
+            text_stop = StopStrings(params.stop_strings, self.tokenizer.stream_decoder())
         return Sequence(
             request_id=params.request_id or f"{id_prefix}-{uuid.uuid4().hex}",
             tokens=list(params.prompt),
             max_tokens=self._max_tokens(len(params.prompt), params.max_tokens),
             stop_token_ids=_shared_stop_set(tuple(sorted(stops))),
             priority=params.priority,
+            sampling=params.sampling,
+            stop=text_stop,
+            user=params.user,
         )
 
     def _check_vocabulary(self, ids: list[int], param: str) -> None:

@@ -41,6 +41,8 @@ async def generate(body: GenerateRequest, request: Request, serving: ServingDep)
         ignore_eos=body.ignore_eos,
         request_id=body.request_id,
         priority=body.priority,
+        sampling=body.sampling(),
+        user=body.user,
     )
     stream = serving.submit(params)
     if body.stream:

@@ -5,18 +5,22 @@ drive this class step by step without an event loop.
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from app.engine.errors import DuplicateRequestError, QueueFullError
 from app.engine.runner import ModelRunner
 from app.engine.scheduler import BatchingPolicy, Scheduler, SchedulerConfig
 from app.engine.step import ModelOutput, SchedulerOutput, StepOutcome
-from app.engine.step_clock import StepCosts
+from app.engine.step_clock import NO_STEP_TIME, StepCosts
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
+
+log = logging.getLogger("slotserve.engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +34,7 @@ class EngineConfig:
     max_prefill_chunk: int | None = None
     block_size: int = 16
     kv_cache_tokens: int | None = None
-    step_costs: StepCosts = StepCosts()  # the simulated step time (zero: none)
+    step_costs: StepCosts = NO_STEP_TIME  # the simulated step time (zero: none)
     seed: int = 0  # the step clock's jitter
     # Run each model call in a worker thread, unless the model declares ``blocking = False``
     # (its calls are quick and never wait: a thread hop would cost more than the call).
@@ -80,6 +84,9 @@ class EngineCore:
         self.aborting: set[str] = set()
         self.observer = observer
         self.clock = clock
+        # Exceptions raised by the observer, by method and type: contained, logged once per
+        # kind, counted (a metrics bug must not take the engine down).
+        self.observer_errors: Counter[str] = Counter()
 
     @property
     def num_running(self) -> int:
@@ -154,7 +161,7 @@ class EngineCore:
         for seq in outcome.finished:
             self._finished(seq)
         if self.observer is not None:
-            self.observer.on_step(outcome)
+            self._observe(self.observer.on_step, outcome)
 
     def _finished(self, seq: Sequence) -> None:
         stream = self.live.get(seq.request_id)
@@ -163,4 +170,13 @@ class EngineCore:
             self.aborting.discard(seq.request_id)
             stream.notify()
         if self.observer is not None:
-            self.observer.on_finished(seq)
+            self._observe(self.observer.on_finished, seq)
+
+    def _observe(self, method: Callable[[Any], None], event: object) -> None:
+        try:
+            method(event)
+        except Exception as err:
+            kind = f"{method.__name__}:{type(err).__name__}"
+            if kind not in self.observer_errors:
+                log.exception("the engine's observer failed in %s (logged once per kind)", kind)
+            self.observer_errors[kind] += 1

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum, auto
 
@@ -24,6 +23,7 @@ from app.engine.step import ModelOutput, SchedulerOutput
 from app.engine.step_clock import StepClock
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
+from app.engine.worker import ModelWorker
 from app.models.protocol import Model
 
 log = logging.getLogger("slotserve.engine")
@@ -65,7 +65,7 @@ class Engine:
         self._inbox: asyncio.Queue[Message] = asyncio.Queue()
         self._idle = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._executor: ThreadPoolExecutor | None = None
+        self._worker: ModelWorker | None = None
         self.draining = False
         self.death: BaseException | None = None
         self._stopping: asyncio.Task[None] | None = None
@@ -76,7 +76,7 @@ class Engine:
 
     async def start(self) -> None:
         if self.config.offload_model_calls and getattr(self.model, "blocking", True):
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="slotserve-model")
+            self._worker = ModelWorker()
         self._task = asyncio.create_task(self._run(), name="slotserve-engine")
 
     def submit(self, seq: Sequence) -> RequestStream:
@@ -104,7 +104,8 @@ class Engine:
         return True
 
     async def wait_idle(self) -> None:
-        """Return once no request is waiting or running."""
+        """Return once no request is waiting or running (at once after ``stop()`` or once the
+        engine task has died: nothing will run any more)."""
         await self._idle.wait()
 
     async def stop(self, grace: float = 0.0, *, call_timeout: float = STUCK_CALL_TIMEOUT) -> None:
@@ -137,8 +138,9 @@ class Engine:
         self._end_leftovers(FinishReason.ABORT, None)
         if not call_abandoned and self.death is None:
             await self._close_runner()  # no call is running: the model may release its slots
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._worker is not None:
+            self._worker.shutdown()
+        self._idle.set()
 
     async def _run(self) -> None:
         try:
@@ -184,20 +186,18 @@ class Engine:
         still holds (so its cache usage reads zero while idle), where its calls run (the worker
         thread, if any). The scheduler's pending releases are covered by this."""
         self.core.scheduler.take_released()
-        if self._executor is None:
+        if self._worker is None:
             close_quietly(self.core.runner)
         else:
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._executor, close_quietly, self.core.runner)
+            await self._worker.run(close_quietly, self.core.runner)
 
     async def _execute(self, out: SchedulerOutput) -> ModelOutput:
         """The model call, then the rest of the step clock's time on the event loop (a sleep
         that nothing has to wait for: streams, submits and aborts run meanwhile)."""
-        if self._executor is None:
+        if self._worker is None:
             result = self.core.runner.execute(out)
         else:
-            loop = asyncio.get_running_loop()
-            result = await loop.run_in_executor(self._executor, self.core.runner.execute, out)
+            result = await self._worker.run(self.core.runner.execute, out)
         if self.clock.enabled:
             deadline = self.clock.deadline(out.started_at, out.num_prefill_tokens,
                                            out.num_decode_tokens)  # fmt: skip
@@ -231,6 +231,7 @@ class Engine:
         """End every open stream with an error at once, so no consumer hangs on a dead engine."""
         self.death = err
         self._end_leftovers(FinishReason.ERROR, EngineDeadError(f"engine task died: {err!r}"))
+        self._idle.set()
 
     def _end_leftovers(self, reason: FinishReason, error: BaseException | None) -> None:
         """With the loop gone, end every request it left: queued in the inbox, waiting or

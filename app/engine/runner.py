@@ -77,29 +77,41 @@ class CachedRunner:
 
     It tracks the slots whose cache holds something, so a call that failed part-way (a release
     never made) does not make every later call fail: only such slots are released, and a slot
-    still holding a cache when a fresh chunk arrives on it is released first.
+    still holding a cache when a fresh chunk arrives on it is released first. A release that
+    raises is logged and retried at every step; until one succeeds the slot is
+    reported unavailable (the scheduler takes it out of service) and a fresh chunk scheduled on
+    it is not run, so no request is ever served on a cache that was not reset.
     """
 
     def __init__(self, model: CachedModel) -> None:
         self.model = model
         self._assigned: set[int] = set()
+        self._dirty: set[int] = set()  # assigned slots whose release raised
         self._decodes: list[Sequence] = []  # the previous step's decode list and the model-
         self._columns: tuple[list[int], list[SamplingParams], list[str]] = ([], [], [])
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
-        for slot in out.released:
+        for slot in [*out.released, *self._dirty]:
             self._release(slot)
-        for chunk in out.prefills:
+        prefills = out.prefills
+        if self._dirty:
+            prefills = [c for c in prefills if not (c.fresh and c.slot in self._dirty)]
+        for chunk in prefills:
             if chunk.fresh:
-                self._release(chunk.slot)
+                self._release(chunk.slot)  # only if it still holds a cache (a missed release)
                 self._assigned.add(chunk.slot)
         slots, sampling, ids = self._columns_for(out.decode_seqs)
-        batch = StepBatch(slots, out.decode_tokens, sampling, ids, out.prefills)
-        return ModelOutput(checked_tokens(self.model.step(batch), out.num_outputs))
+        batch = StepBatch(slots, out.decode_tokens, sampling, ids, prefills)
+        tokens = checked_tokens(self.model.step(batch), batch.num_outputs)
+        return ModelOutput(tokens, frozenset(self._dirty))
 
     def close(self) -> None:
         for slot in sorted(self._assigned):
             self._release(slot)
+
+    @property
+    def unavailable_slots(self) -> frozenset[int]:
+        return frozenset(self._dirty)
 
     def _columns_for(
         self, decodes: list[Sequence]
@@ -112,9 +124,19 @@ class CachedRunner:
         return self._columns
 
     def _release(self, slot: int) -> None:
-        if slot in self._assigned:
-            self._assigned.discard(slot)
+        if slot not in self._assigned:
+            return
+        try:
             self.model.release(slot)
+        except Exception as err:
+            if slot not in self._dirty:
+                log.warning("the model failed to reset slot %d (retried each step): %r", slot, err)
+            self._dirty.add(slot)
+            return
+        self._assigned.discard(slot)
+        if self._dirty:
+            self._dirty.discard(slot)
+            log.info("slot %d was reset and is back in service", slot)
 
 
 def close_quietly(runner: ModelRunner) -> None:

@@ -70,9 +70,7 @@ class Scheduler:
     """Owns the slot table, the waiting queue and the KV books, and makes every status change
     of a request: admitted, prefilled, decoded, preempted, resumed, finished."""
 
-    def __init__(
-        self, config: SchedulerConfig | int, policy: BatchingPolicy | None = None
-    ) -> None:
+    def __init__(self, config: SchedulerConfig | int, policy: BatchingPolicy | None = None) -> None:
         if isinstance(config, int):
             config = SchedulerConfig(config, policy or BatchingPolicy.CONTINUOUS)
         self.config = config
@@ -142,10 +140,8 @@ class Scheduler:
         goes on where it stopped: its stream sees no token twice and none missing."""
         if seq.status is not RequestStatus.RUNNING:
             raise ValueError(f"request {seq.request_id!r} is not running")
-        self._leave_slot(seq)
-        seq.status = RequestStatus.PREEMPTED
+        self._requeue(seq, RequestStatus.PREEMPTED)
         seq.num_preemptions += 1
-        self.waiting.push_front(seq)
         self._preempted.append(seq)
 
     # --- the step ---------------------------------------------------------------------------
@@ -177,11 +173,15 @@ class Scheduler:
         free for the next ``schedule``). Requests aborted during the call are skipped and their
         tokens dropped."""
         tokens = result.tokens
-        if len(tokens) != out.num_outputs:
-            raise ValueError(f"{len(tokens)} tokens for a step that samples {out.num_outputs}")
+        expected = out.num_outputs
+        if result.unavailable_slots:
+            expected -= sum(1 for c in out.prefills if c.sample and not result.ran(c))
+        if len(tokens) != expected:
+            raise ValueError(f"{len(tokens)} tokens for a step that samples {expected}")
         outcome = StepOutcome(out, now)
         outcome.num_decode_generated = self._apply_decodes(out.decode_seqs, tokens, outcome)
-        self._apply_prefills(out, tokens, outcome)
+        self._apply_prefills(out, result, outcome)
+        self.slots.set_out_of_service(result.unavailable_slots)
         return outcome
 
     def fail(self, out: SchedulerOutput, error: BaseException, now: float) -> StepOutcome:
@@ -242,14 +242,15 @@ class Scheduler:
                 break  # the cache is full: it waits (first come, first served)
             self.waiting.pop()
             self.slots.allocate(seq)
-            resumed = seq.status is RequestStatus.PREEMPTED
             seq.status = RequestStatus.RUNNING
             seq.prefill_target = len(seq.tokens)
             self._admissions += 1
             seq.admission = self._admissions
-            (out.resumed if resumed else out.admitted).append(seq)
-            if seq.times.admitted is None:
+            if seq.times.admitted is None:  # its first admission (not a resume)
                 seq.times.admitted = now
+                out.admitted.append(seq)
+            else:
+                out.resumed.append(seq)
             self._prefilling.append(seq)
             budget -= self._chunk(out, seq, budget)
         return budget
@@ -282,10 +283,16 @@ class Scheduler:
         outcome.num_generated += applied
         return applied
 
-    def _apply_prefills(self, out: SchedulerOutput, tokens: list[int], outcome: StepOutcome) -> None:
-        index = len(out.decode_seqs)
-        now = outcome.ended_at
+    def _apply_prefills(
+        self, out: SchedulerOutput, result: ModelOutput, outcome: StepOutcome
+    ) -> None:
+        tokens, index, now = result.tokens, len(out.decode_seqs), outcome.ended_at
         for seq, chunk in zip(out.prefill_seqs, out.prefills, strict=True):
+            if not result.ran(chunk):  # its slot could not be reset: back to the queue
+                if seq.finish_reason is None:
+                    self._requeue(seq, RequestStatus.WAITING)
+                    seq.times.admitted = None
+                continue
             token = tokens[index] if chunk.sample else None
             index += chunk.sample
             if seq.finish_reason is not None:
@@ -334,6 +341,12 @@ class Scheduler:
         seq.status = RequestStatus.FINISHED
         seq.finish_reason = reason
         seq.times.finished = now
+
+    def _requeue(self, seq: Sequence, status: RequestStatus) -> None:
+        """Back to the front of the queue, to be recomputed from position 0."""
+        self._leave_slot(seq)
+        seq.status = status
+        self.waiting.push_front(seq)
 
     def _leave_slot(self, seq: Sequence) -> None:
         """``seq`` gives up its slot and its blocks."""

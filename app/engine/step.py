@@ -66,9 +66,19 @@ class SchedulerOutput:
 class ModelOutput:
     """The model's answer to one ``SchedulerOutput``: ``tokens`` has one id per decode request,
     in order, then one per prefill chunk with ``sample`` set, in order. A partial chunk adds
-    nothing."""
+    nothing.
+
+    ``unavailable_slots``: slots whose cache the model failed to reset, even when retried. They
+    are out of service until a later retry succeeds; a fresh chunk scheduled on one was not run
+    (and has no token here): its request goes back to the queue and loses nothing.
+    """
 
     tokens: list[int]
+    unavailable_slots: frozenset[int] = frozenset()
+
+    def ran(self, chunk: PrefillChunk) -> bool:
+        """Whether ``chunk`` was run (not skipped for an unavailable slot)."""
+        return not (chunk.fresh and chunk.slot in self.unavailable_slots)
 
 
 @dataclass(slots=True)

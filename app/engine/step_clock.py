@@ -56,3 +56,6 @@ class StepClock:
 
     def deadline(self, started_at: float, prefill_tokens: int, decode_tokens: int) -> float:
         return started_at + self.duration(prefill_tokens, decode_tokens)
+
+
+NO_STEP_TIME = StepCosts()

@@ -29,6 +29,10 @@ class CachedMockModel(MockBase):
         """Tokens held in ``slot``'s cache (0 when released)."""
         return len(self._cache[slot] or ())
 
+    def held_slots(self) -> list[int]:
+        """The slots whose cache is in use (not released)."""
+        return [slot for slot, cache in enumerate(self._cache) if cache is not None]
+
     def release(self, slot: int) -> None:
         if self._cache[slot] is None:
             raise SlotReuseError(f"slot {slot} released twice")
