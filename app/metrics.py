@@ -148,12 +148,12 @@ class EngineMetrics:
 
     def bind(self, core: EngineCore) -> None:
         """Read the gauges from ``core`` at scrape time."""
-        name, books = self.model_name, core.scheduler.books
+        name, books, table = self.model_name, core.scheduler.books, core.scheduler.slots
         self.running.labels(name).set_function(lambda: core.num_running)
         self.waiting.labels(name).set_function(lambda: core.num_waiting)
         self.slots_occupied.labels(name).set_function(lambda: core.num_running)
         self.slots_total.labels(name).set(core.config.num_slots)
-        self.cache_usage.labels(name).set_function(lambda: books.usage)
+        self.cache_usage.labels(name).set_function(lambda: books.usage(table.running()))
         slots = core.scheduler.slots
         self.slots_out_of_service.labels(name).set_function(lambda: len(slots.out_of_service))
         self.registry.register(ObserverErrors(core, {"model_name": name}))

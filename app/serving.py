@@ -70,6 +70,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_prefill_chunk=settings.max_prefill_chunk,
         block_size=settings.block_size,
         kv_cache_tokens=settings.kv_cache_tokens or settings.num_slots * settings.max_model_len,
+        max_model_len=settings.max_model_len,
         step_costs=costs,
         seed=settings.seed,
     )

@@ -34,6 +34,7 @@ class EngineConfig:
     max_prefill_chunk: int | None = None
     block_size: int = 16
     kv_cache_tokens: int | None = None
+    max_model_len: int | None = None
     step_costs: StepCosts = NO_STEP_TIME  # the simulated step time (zero: none)
     seed: int = 0  # the step clock's jitter
     # Run each model call in a worker thread, unless the model declares ``blocking = False``
@@ -48,6 +49,7 @@ class EngineConfig:
             max_prefill_chunk=self.max_prefill_chunk,
             block_size=self.block_size,
             kv_cache_tokens=self.kv_cache_tokens,
+            max_model_len=self.max_model_len,
         )
 
 

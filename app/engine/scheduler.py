@@ -43,7 +43,9 @@ class SchedulerConfig:
     prefilled in one step); it must be >= ``num_slots`` so every running request decodes every
     step. ``max_prefill_chunk``: prompt tokens one request may be fed in one step (None: the
     budget). ``kv_cache_tokens``: KV capacity in tokens, rounded down to whole blocks of
-    ``block_size`` (None: it never binds).
+    ``block_size`` (None: it never binds). ``max_model_len``: the longest a request can get
+    (the API enforces it); a capacity of ``num_slots * max_model_len`` or more never binds
+    either, so the scheduler skips the block arithmetic.
     """
 
     num_slots: int
@@ -52,6 +54,13 @@ class SchedulerConfig:
     max_prefill_chunk: int | None = None
     block_size: int = 16
     kv_cache_tokens: int | None = None
+    max_model_len: int | None = None
+
+    @property
+    def kv_binds(self) -> bool:
+        """Whether the KV capacity can ever stop a request from running."""
+        kv, longest = self.kv_cache_tokens, self.max_model_len
+        return kv is not None and (longest is None or kv < self.num_slots * longest)
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
@@ -83,7 +92,7 @@ class Scheduler:
         self._decoding: list[Sequence] | None = []  # running past prefill, slot order (cached)
         self._released: list[int] = []
         self._preempted: list[Sequence] = []
-        self._reserved = 0  # blocks promised to the step being planned
+        self._free_blocks = UNBOUNDED  # while planning a step: blocks not yet handed out
         self._admissions = 0
 
     @property
@@ -149,9 +158,8 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerOutput:
         """Plan the next step within the token budget and the KV capacity (see the module
         docstring for the order)."""
-        self._reserved = 0
         decoding = self._decodes_that_fit(now)
-        out = SchedulerOutput(decoding, [seq.tokens[-1] for seq in decoding], started_at=now)
+        out = SchedulerOutput(decoding, started_at=now)
         budget = self._budget - len(decoding)
         for seq in self._prefilling:
             budget -= self._chunk(out, seq, budget)
@@ -200,29 +208,32 @@ class Scheduler:
         return self._decoding
 
     def _decodes_that_fit(self, now: float) -> list[Sequence]:
-        """The decoding requests, with the blocks their tokens need reserved. When the cache
+        """The decoding requests, with the blocks their tokens need set aside. When the cache
         cannot take one more token for each, preempt the most recently admitted running
         requests until it can (as vLLM does)."""
         decoding = self._decoding_now()
-        if self.config.kv_cache_tokens is None:
-            return decoding  # the books never bind: nothing to reserve
+        if not self.config.kv_binds:
+            self._free_blocks = UNBOUNDED
+            return decoding
         books = self.books
         while True:
+            free = books.total - books.used(self.slots.running())
+            # a decode needs a new block when its cached tokens fill their blocks exactly
             needed = sum(1 for s in decoding if s.num_computed_tokens % books.block_size == 0)
-            if needed <= books.free or not decoding:
-                self._reserved = needed
+            if needed <= free or not decoding:
+                self._free_blocks = free - needed
                 return decoding
             self.preempt(max(self.slots.running(), key=lambda s: s.admission), now)
             decoding = self._decoding_now()
 
     def _chunk(self, out: SchedulerOutput, seq: Sequence, budget: int) -> int:
         """Schedule the next prefill chunk of ``seq`` within ``budget``; returns its length."""
-        start = seq.num_computed_tokens
-        room = self.books.room_for(seq, self._reserved)
+        start, books = seq.prefilled, self.books
+        room = books.room(start, self._free_blocks)
         size = min(seq.prefill_target - start, self._chunk_cap, budget, room)
         if size <= 0:
             return 0
-        self._reserved += self.books.blocks_for(start + size) - seq.num_blocks
+        self._free_blocks -= books.blocks_for(start + size) - books.blocks_for(start)
         sample = start + size == seq.prefill_target
         assert seq.slot is not None
         chunk = PrefillChunk(seq.slot, seq.tokens[start : start + size], start, sample,
@@ -238,12 +249,12 @@ class Scheduler:
             return budget
         while budget > 0 and self.waiting and self.slots.num_free:
             seq = self.waiting.peek()
-            if not self.books.room_for(seq, self._reserved):
+            if not self.books.room(0, self._free_blocks):
                 break  # the cache is full: it waits (first come, first served)
             self.waiting.pop()
             self.slots.allocate(seq)
             seq.status = RequestStatus.RUNNING
-            seq.prefill_target = len(seq.tokens)
+            seq.prefilled, seq.prefill_target = 0, len(seq.tokens)
             self._admissions += 1
             seq.admission = self._admissions
             if seq.times.admitted is None:  # its first admission (not a resume)
@@ -257,29 +268,23 @@ class Scheduler:
 
     def _apply_decodes(self, seqs: list[Sequence], tokens: list[int], outcome: StepOutcome) -> int:
         """The hot path: one token for each decoding request. Returns the tokens applied."""
-        books, finished, now = self.books, outcome.finished, outcome.ended_at
-        block_size = books.block_size
-        applied = 0
+        finished, now = outcome.finished, outcome.ended_at
+        skipped = 0
         for seq, token in zip(seqs, tokens, strict=False):
             if seq.finish_reason is not None:
-                continue  # aborted while the model ran: its token is dropped
-            applied += 1
-            computed = seq.num_computed_tokens + 1
-            seq.num_computed_tokens = computed
-            if computed % block_size == 1 or block_size == 1:
-                seq.num_blocks += 1
-                books.used += 1
-            if token in seq.stop_token_ids:
+                skipped += 1  # aborted while the model ran: its token is dropped
+            elif token in seq.stop_token_ids:
                 self._stop(seq, token, now, finished)
-                continue
-            prefix = seq.tokens
-            prefix.append(token)
-            if len(prefix) >= seq.token_limit:
-                self._finish(seq, FinishReason.LENGTH, now)
-                finished.append(seq)
-            elif seq.stop is not None and seq.stop.feed([token]):
-                self._finish(seq, FinishReason.STOP, now)
-                finished.append(seq)
+            else:
+                prefix = seq.tokens
+                prefix.append(token)  # one token, not the last: the request has computed it
+                if len(prefix) >= seq.token_limit:
+                    self._finish(seq, FinishReason.LENGTH, now)
+                    finished.append(seq)
+                elif seq.stop is not None and seq.stop.feed([token]):
+                    self._finish(seq, FinishReason.STOP, now)
+                    finished.append(seq)
+        applied = len(seqs) - skipped
         outcome.num_generated += applied
         return applied
 
@@ -297,7 +302,7 @@ class Scheduler:
             index += chunk.sample
             if seq.finish_reason is not None:
                 continue  # aborted while the model ran
-            self.books.computed(seq, chunk.start + len(chunk.token_ids))
+            seq.prefilled = chunk.start + len(chunk.token_ids)
             if token is None:
                 continue
             self._prefilling.remove(seq)
@@ -355,4 +360,4 @@ class Scheduler:
         else:
             self._decoding = None
         self._released.append(self.slots.release(seq))
-        self.books.free_all(seq)
+        seq.prefilled = 0

@@ -20,8 +20,9 @@ class SchedulerOutput:
     """One step's schedule.
 
     - ``decode_seqs``: running requests past their prefill, in slot order; each is fed its last
-      generated token (``decode_tokens[i]``) and gets one new token. The list is shared between
-      steps while it does not change: never modify it.
+      generated token (``decode_tokens[i]``, read when first asked for: a stateless model never
+      needs it) and gets one new token. The list is shared between steps while it does not
+      change: never modify it.
     - ``prefill_seqs[i]`` is fed ``prefills[i]``: a chunk of its prompt (or, after a preemption,
       of prompt + generated tokens) starting at ``prefills[i].start`` (0: the slot's cache starts
       fresh); a chunk with ``sample`` set completes the prefill and gets one new token.
@@ -33,7 +34,6 @@ class SchedulerOutput:
     """
 
     decode_seqs: list[Sequence]
-    decode_tokens: list[int]
     prefill_seqs: list[Sequence] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     released: list[int] = field(default_factory=list)
@@ -42,6 +42,13 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     num_prefill_tokens: int = 0
     started_at: float = 0.0
+    _decode_tokens: list[int] | None = None
+
+    @property
+    def decode_tokens(self) -> list[int]:
+        if self._decode_tokens is None:
+            self._decode_tokens = [seq.tokens[-1] for seq in self.decode_seqs]
+        return self._decode_tokens
 
     @property
     def num_decode_tokens(self) -> int:

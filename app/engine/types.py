@@ -70,11 +70,12 @@ class Sequence:
     one list, appended to in place; ``tokens[prompt_len:]`` are the generated tokens.
 
     ``num_computed_tokens`` counts the tokens whose key/values the model holds for this request
-    (0 while waiting or preempted). ``prefill_target`` is ``len(tokens)`` when the request was
-    last admitted: positions below it are prefilled (the prompt, or prompt + generated tokens
-    recomputed after a preemption), in chunks; the chunk that reaches it samples a token, and
-    from then on the request decodes one token per step (``num_computed_tokens ==
-    len(tokens) - 1``).
+    (0 unless running). ``prefill_target`` is ``len(tokens)`` when the request was last
+    admitted: positions below it are prefilled (the prompt, or prompt + generated tokens
+    recomputed after a preemption), in chunks, counted by ``prefilled``; the chunk that reaches
+    it samples a token, and from then on the request decodes one token per step, feeding its
+    last token, so it has computed every token but that one (``len(tokens) - 1``: derived, so
+    the hot path writes nothing per token).
     """
 
     request_id: str
@@ -89,9 +90,8 @@ class Sequence:
     prompt_len: int = 0
     token_limit: int = 0  # len(tokens) at which max_tokens is reached
     status: RequestStatus = RequestStatus.WAITING
-    num_computed_tokens: int = 0
+    prefilled: int = 0
     prefill_target: int = 0
-    num_blocks: int = 0  # KV-cache blocks held (the scheduler's books)
     num_preemptions: int = 0
     admission: int = 0  # the scheduler's admission count when it last got a slot
     slot: int | None = None
@@ -123,4 +123,12 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         """Running and not yet through its prefill (no token sampled since admission)."""
-        return self.num_computed_tokens < self.prefill_target
+        return self.status is RequestStatus.RUNNING and self.prefilled < self.prefill_target
+
+    @property
+    def num_computed_tokens(self) -> int:
+        if self.status is not RequestStatus.RUNNING:
+            return 0
+        if self.prefilled < self.prefill_target:
+            return self.prefilled
+        return len(self.tokens) - 1
