@@ -8,7 +8,6 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from app.api.errors import APIError
 from app.config import Settings
 from app.engine.core import EngineConfig
 from app.engine.engine import Engine
@@ -31,6 +30,15 @@ from app.models.protocol import DEFAULT_SAMPLING, Model, SamplingParams
 from app.models.tokenizer import ByteTokenizer
 
 
+class InvalidRequestError(ValueError):
+    """A request the model cannot take (empty prompt, unknown token id, too long for the
+    context): the client's mistake. ``param`` names the field, ``code`` the kind."""
+
+    def __init__(self, message: str, param: str, code: str) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
 @dataclass(slots=True)
 class GenerationParams:
     """A validated-shape request, before the context-length and vocabulary checks."""
@@ -44,6 +52,14 @@ class GenerationParams:
     priority: int = 0
     sampling: SamplingParams = DEFAULT_SAMPLING
     user: str | None = None
+
+
+REJECTION_REASONS: dict[type[Exception], str] = {
+    QueueFullError: "queue_full",
+    DuplicateRequestError: "duplicate_id",
+    EngineDrainingError: "draining",
+    EngineDeadError: "engine_dead",
+}
 
 
 def build_model(settings: Settings) -> Model:
@@ -103,23 +119,16 @@ class Serving:
         await self.engine.stop(grace)
 
     def submit(self, params: GenerationParams, id_prefix: str = "gen") -> RequestStream:
-        """Validate ``params`` against the model and queue the request; ``APIError`` if refused."""
+        """Validate ``params`` against the model and queue the request. Raises
+        ``InvalidRequestError`` or the engine's refusal (``QueueFullError``,
+        ``DuplicateRequestError``, ``EngineDrainingError``, ``EngineDeadError``), counted as a
+        rejection; the API layer turns each into its HTTP answer."""
         seq = self._sequence(params, id_prefix)
         try:
             return self.engine.submit(seq)
-        except QueueFullError as err:
-            self.metrics.reject("queue_full")
-            raise APIError(429, str(err), "overloaded_error", code="queue_full",
-                           headers={"Retry-After": "1"}) from err  # fmt: skip
-        except DuplicateRequestError as err:
-            self.metrics.reject("duplicate_id")
-            raise APIError(409, str(err), param="request_id", code="duplicate_request_id") from err
-        except EngineDrainingError as err:
-            self.metrics.reject("draining")
-            raise APIError(503, str(err), "service_unavailable", code="draining") from err
-        except EngineDeadError as err:
-            self.metrics.reject("engine_dead")
-            raise APIError(503, str(err), "service_unavailable", code="engine_dead") from err
+        except (QueueFullError, DuplicateRequestError, EngineDrainingError, EngineDeadError) as err:
+            self.metrics.reject(REJECTION_REASONS[type(err)])
+            raise
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """End a live request early (``reason`` is ``abort``, or ``stop`` for a stop string);
@@ -154,7 +163,7 @@ class Serving:
 
     def _sequence(self, params: GenerationParams, id_prefix: str) -> Sequence:
         if not params.prompt:
-            raise APIError(400, "prompt must not be empty", param="prompt", code="empty_prompt")
+            raise InvalidRequestError("prompt must not be empty", "prompt", "empty_prompt")
         self._check_vocabulary(params.prompt, "prompt")
         self._check_vocabulary(params.stop_token_ids, "stop_token_ids")
         stops = set(params.stop_token_ids)
@@ -178,8 +187,10 @@ class Serving:
         vocab = self.tokenizer.vocab_size
         if ids and (min(ids) < 0 or max(ids) >= vocab):
             bad = next(t for t in ids if not 0 <= t < vocab)
-            raise APIError(400, f"token id {bad} in {param} is outside the vocabulary [0, {vocab})",
-                           param=param, code="invalid_token_id")  # fmt: skip
+            raise InvalidRequestError(
+                f"token id {bad} in {param} is outside the vocabulary [0, {vocab})",
+                param, "invalid_token_id",
+            )  # fmt: skip
 
     def _max_tokens(self, prompt_len: int, requested: int | None) -> int:
         """``requested``, or the default capped by the room left; 400 past the context."""
@@ -189,9 +200,11 @@ class Serving:
         if requested is not None:
             max_tokens = requested
         if room < 0 or max_tokens > room:
-            raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) "
-                           f"exceeds the context length of {context} tokens",
-                           param="max_tokens", code="context_length_exceeded")  # fmt: skip
+            raise InvalidRequestError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context "
+                f"length of {context} tokens",
+                "max_tokens", "context_length_exceeded",
+            )  # fmt: skip
         return max_tokens
 
 

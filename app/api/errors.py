@@ -16,6 +16,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.engine.errors import (
+    DuplicateRequestError,
+    EngineDeadError,
+    EngineDrainingError,
+    EngineError,
+    QueueFullError,
+)
+from app.serving import InvalidRequestError
+
 log = logging.getLogger("slotserve.api")
 
 INVALID = "invalid_request_error"
@@ -52,8 +61,28 @@ def error_json(status: int, message: str, type: str, code: str | None = None) ->
     return json.dumps(error_body(message, type, None, code)).encode()
 
 
+def refusal(err: Exception) -> APIError:
+    """The HTTP answer to a request refused below the API (this is the one place that decides
+    those statuses)."""
+    message = str(err)
+    if isinstance(err, InvalidRequestError):
+        return APIError(400, message, param=err.param, code=err.code)
+    if isinstance(err, QueueFullError):
+        return APIError(429, message, "overloaded_error", code="queue_full",
+                        headers={"Retry-After": "1"})  # fmt: skip
+    if isinstance(err, DuplicateRequestError):
+        return APIError(409, message, param="request_id", code="duplicate_request_id")
+    if isinstance(err, EngineDrainingError):
+        return APIError(503, message, "service_unavailable", code="draining")
+    if isinstance(err, EngineDeadError):
+        return APIError(503, message, "service_unavailable", code="engine_dead")
+    raise TypeError(f"no HTTP answer for {type(err).__name__}") from err
+
+
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(InvalidRequestError, _refused)
+    app.add_exception_handler(EngineError, _refused)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
@@ -62,6 +91,10 @@ def install_error_handlers(app: FastAPI) -> None:
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _refused(request: Request, exc: Exception) -> JSONResponse:
+    return await _api_error(request, refusal(exc))
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:

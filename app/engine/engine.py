@@ -20,7 +20,7 @@ from app.engine.core import EngineConfig, EngineCore, EngineObserver
 from app.engine.errors import EngineDeadError, EngineDrainingError
 from app.engine.runner import close_quietly, make_runner
 from app.engine.step import ModelOutput, SchedulerOutput
-from app.engine.step_clock import StepClock
+from app.engine.step_clock import StepClock, sleep_until
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
 from app.engine.worker import ModelWorker
@@ -201,7 +201,7 @@ class Engine:
         if self.clock.enabled:
             deadline = self.clock.deadline(out.started_at, out.num_prefill_tokens,
                                            out.num_decode_tokens)  # fmt: skip
-            await asyncio.sleep(max(0.0, deadline - self.core.clock()))
+            await sleep_until(deadline, self.core.clock)
         else:
             await asyncio.sleep(0)  # let streams, submits and aborts run between steps
         return result
