@@ -199,6 +199,13 @@ class Serving:
         max_tokens = min(self.settings.default_max_tokens, max(room, 0))
         if requested is not None:
             max_tokens = requested
+        books = self.engine.core.scheduler.books
+        if room >= 0 and max_tokens <= room and not books.fits_ever(prompt_len + max_tokens):
+            raise InvalidRequestError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the KV cache "
+                f"({books.capacity_tokens} tokens)",
+                "max_tokens", "context_length_exceeded",
+            )  # fmt: skip
         if room < 0 or max_tokens > room:
             raise InvalidRequestError(
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context "

@@ -371,12 +371,6 @@ def test_a_preempted_request_can_be_aborted_while_it_waits() -> None:
     assert ids(scheduler.schedule(2.0).admitted) == ["b"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a request preempted between schedule() and update() still gets that step's "
-    "token; when the token ends it (max_tokens or a stop token) it is FINISHED but left in the "
-    "waiting queue, and the next schedule() resumes it: a finished request runs again",
-)
 def test_a_request_preempted_during_a_model_call_is_never_run_after_it_finished() -> None:
     a = seq("a", max_tokens=2, prompt=[1, 2, 3])
     scheduler = scheduler_with(a, num_slots=1)
@@ -447,12 +441,6 @@ def test_released_blocks_let_a_waiting_request_in() -> None:
     assert out.admitted == [b] and chunks(out) == [("b", 0, 2, True)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: two partly prefilled requests that fill the KV cache between them deadlock: "
-    "neither has room for its next chunk, nothing decodes, so schedule() returns an empty "
-    "output forever (the engine loop spins without awaiting) instead of preempting one",
-)
 def test_prefilling_requests_that_fill_the_kv_cache_between_them_make_progress() -> None:
     a, b = seq("a", max_tokens=3, prompt=[1] * 6), seq("b", max_tokens=3, prompt=[1] * 6)
     config = SchedulerConfig(

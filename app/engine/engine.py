@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import TypeVar
 
 from app.engine.core import EngineConfig, EngineCore, EngineObserver
 from app.engine.errors import EngineDeadError, EngineDrainingError
@@ -29,6 +31,8 @@ from app.models.protocol import Model
 log = logging.getLogger("slotserve.engine")
 
 STUCK_CALL_TIMEOUT = 2.0  # seconds stop() waits for a model call before abandoning it
+STALL_RETRY = 0.1  # seconds between retries of failed slot resets while nothing can run
+T = TypeVar("T")
 
 
 class Signal(Enum):
@@ -166,7 +170,9 @@ class Engine:
             if not self._drain_inbox():
                 return
             out = core.schedule()
-            if out.empty:
+            if out.empty:  # work waits, but none can run now (every free slot is out of
+                if not await self._wait_for_room():  # service): wait, never spin
+                    return
                 continue
             try:
                 result = await self._execute(out)
@@ -181,15 +187,30 @@ class Engine:
                     return
                 core.update(out, result)
 
+    async def _wait_for_room(self) -> bool:
+        """Nothing can be scheduled although requests wait: wait for a message (an abort, a
+        drain) for up to ``STALL_RETRY`` seconds, then have the model retry its failed slot
+        resets. False once SHUTDOWN is read."""
+        try:
+            message = await asyncio.wait_for(self._inbox.get(), STALL_RETRY)
+        except TimeoutError:
+            unavailable = await self._in_worker(self.core.runner.retry_resets)
+            self.core.scheduler.slots.set_out_of_service(unavailable)
+            return True
+        return self._handle(message)
+
+    async def _in_worker(self, fn: Callable[[], T]) -> T:
+        """``fn()`` where the model's calls run (its worker thread, if it has one)."""
+        if self._worker is None:
+            return fn()
+        return await self._worker.run(fn)
+
     async def _close_runner(self) -> None:
         """No model call is running and none is planned: have the model drop every cache it
         still holds (so its cache usage reads zero while idle), where its calls run (the worker
         thread, if any). The scheduler's pending releases are covered by this."""
         self.core.scheduler.take_released()
-        if self._worker is None:
-            close_quietly(self.core.runner)
-        else:
-            await self._worker.run(close_quietly, self.core.runner)
+        await self._in_worker(lambda: close_quietly(self.core.runner))
 
     async def _execute(self, out: SchedulerOutput) -> ModelOutput:
         """The model call, then the rest of the step clock's time on the event loop (a sleep

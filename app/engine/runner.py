@@ -25,6 +25,10 @@ class ModelRunner(Protocol):
         another run."""
         ...
 
+    def retry_resets(self) -> frozenset[int]:
+        """Retry the slot resets that failed; return the slots still unavailable."""
+        ...
+
 
 class StatelessRunner:
     """Feeds the full token list (prompt + generated, never copied) of every request that
@@ -55,6 +59,9 @@ class StatelessRunner:
 
     def close(self) -> None:
         self._decodes, self._inputs = [], []
+
+    def retry_resets(self) -> frozenset[int]:
+        return frozenset()  # a stateless model has no cache to reset
 
     def _inputs_for(self, decodes: list[Sequence]) -> list[list[int]]:
         if decodes is not self._decodes:
@@ -109,8 +116,9 @@ class CachedRunner:
         for slot in sorted(self._assigned):
             self._release(slot)
 
-    @property
-    def unavailable_slots(self) -> frozenset[int]:
+    def retry_resets(self) -> frozenset[int]:
+        for slot in list(self._dirty):
+            self._release(slot)
         return frozenset(self._dirty)
 
     def _columns_for(

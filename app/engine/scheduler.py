@@ -164,6 +164,10 @@ class Scheduler:
         for seq in self._prefilling:
             budget -= self._chunk(out, seq, budget)
         budget = self._admit(out, budget, now)
+        while out.empty and len(self._prefilling) > 1:  # prefills that filled the cache
+            self._preempt_youngest_prefill(now)
+            for seq in self._prefilling:
+                budget -= self._chunk(out, seq, budget)
         out.preempted, self._preempted = self._preempted, []
         if not out.empty:  # an empty output is never run: keep its releases for the next one
             out.released, self._released = self._released, []
@@ -178,8 +182,8 @@ class Scheduler:
     def update(self, out: SchedulerOutput, result: ModelOutput, now: float) -> StepOutcome:
         """Apply the model's tokens for ``out``: advance every request's computed tokens, append
         each sampled token, finish requests that stop or reach ``max_tokens`` (their slots are
-        free for the next ``schedule``). Requests aborted during the call are skipped and their
-        tokens dropped."""
+        free for the next ``schedule``). Requests aborted or preempted during the call are
+        skipped and their tokens dropped (a preempted one recomputes them when it resumes)."""
         tokens = result.tokens
         expected = out.num_outputs
         if result.unavailable_slots:
@@ -226,6 +230,13 @@ class Scheduler:
             self.preempt(max(self.slots.running(), key=lambda s: s.admission), now)
             decoding = self._decoding_now()
 
+    def _preempt_youngest_prefill(self, now: float) -> None:
+        """Running requests are all prefilling and none has the blocks for its next chunk:
+        give the most recently admitted one's blocks to the others."""
+        victim = max(self._prefilling, key=lambda s: s.admission)
+        self._free_blocks += self.books.blocks_for(victim.num_computed_tokens)
+        self.preempt(victim, now)
+
     def _chunk(self, out: SchedulerOutput, seq: Sequence, budget: int) -> int:
         """Schedule the next prefill chunk of ``seq`` within ``budget``; returns its length."""
         start, books = seq.prefilled, self.books
@@ -268,11 +279,11 @@ class Scheduler:
 
     def _apply_decodes(self, seqs: list[Sequence], tokens: list[int], outcome: StepOutcome) -> int:
         """The hot path: one token for each decoding request. Returns the tokens applied."""
-        finished, now = outcome.finished, outcome.ended_at
+        finished, now, running = outcome.finished, outcome.ended_at, RequestStatus.RUNNING
         skipped = 0
         for seq, token in zip(seqs, tokens, strict=False):
-            if seq.finish_reason is not None:
-                skipped += 1  # aborted while the model ran: its token is dropped
+            if seq.status is not running:
+                skipped += 1  # aborted or preempted while the model ran: its token is dropped
             elif token in seq.stop_token_ids:
                 self._stop(seq, token, now, finished)
             else:
@@ -294,14 +305,14 @@ class Scheduler:
         tokens, index, now = result.tokens, len(out.decode_seqs), outcome.ended_at
         for seq, chunk in zip(out.prefill_seqs, out.prefills, strict=True):
             if not result.ran(chunk):  # its slot could not be reset: back to the queue
-                if seq.finish_reason is None:
+                if seq.status is RequestStatus.RUNNING:
                     self._requeue(seq, RequestStatus.WAITING)
                     seq.times.admitted = None
                 continue
             token = tokens[index] if chunk.sample else None
             index += chunk.sample
-            if seq.finish_reason is not None:
-                continue  # aborted while the model ran
+            if seq.status is not RequestStatus.RUNNING:
+                continue  # aborted or preempted while the model ran
             seq.prefilled = chunk.start + len(chunk.token_ids)
             if token is None:
                 continue
