@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 
 from app.engine.core import EngineCore
 from app.engine.step import StepOutcome
-from app.engine.types import Sequence
+from app.engine.types import FinishReason, Sequence
 
 log = logging.getLogger("slotserve.requests")
 disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series: dashboards do not use them
@@ -34,6 +34,16 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
                0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)  # fmt: skip
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+# Every reason ``EngineMetrics.reject`` is called with (app/serving.py).
+REJECT_REASONS = ("queue_full", "duplicate_id", "draining", "engine_dead")
+
+
+def export_at_zero(metric: Counter | Histogram, *label_values: Seq[str]) -> None:
+    """Create ``metric``'s series for each tuple of label values now, at 0, so that it is on
+    /metrics before its first event: a panel or alert then reads 0 instead of "No data"
+    (Prometheus's advice on missing metrics)."""
+    for values in label_values:
+        metric.labels(*values)
 
 
 class WeightedHistogram(Collector):
@@ -144,7 +154,12 @@ class EngineMetrics:
         self._step_duration = self.step_duration.labels(model_name)
         self._prompt_tokens = self.prompt_tokens.labels(model_name)
         self._generation_tokens = self.generation_tokens.labels(model_name)
-        self._preemptions = self.preemptions.labels(model_name)  # exported at 0 from the start
+        self._preemptions = self.preemptions.labels(model_name)
+        export_at_zero(self.success, *[(model_name, reason.value) for reason in FinishReason])
+        export_at_zero(self.rejected, *[(model_name, reason) for reason in REJECT_REASONS])
+        for metric in (self.model_failures, self.ttft, self.e2e, self.queue_time,
+                       self.prompt_len, self.gen_len):  # fmt: skip
+            export_at_zero(metric, (model_name,))
 
     def bind(self, core: EngineCore) -> None:
         """Read the gauges from ``core`` at scrape time."""
