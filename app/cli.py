@@ -40,6 +40,8 @@ def _add_flag(
     choices = _literal_choices(annotation)
     if choices:
         kwargs["choices"] = choices
+    elif annotation is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
     elif annotation in (int, float):
         kwargs["type"] = annotation
     shown = "(unset)" if default is None else default

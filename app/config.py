@@ -8,8 +8,17 @@ from __future__ import annotations
 
 from typing import Literal, Self
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+FAILURE_TYPES = (
+    "rate_limit",
+    "invalid_api_key",
+    "context_length",
+    "server_error",
+    "model_not_found",
+    "engine_overloaded",
+)  # the failures --failure-types may name (see app/api/faults.py)
 
 
 class Settings(BaseSettings):
@@ -46,7 +55,9 @@ class Settings(BaseSettings):
         0.01, ge=0, le=1, description="chance per token that the mock ends its output"
     )
     seed: int = Field(
-        0, description="mock model seed (a request's seed field is accepted, not used)"
+        0,
+        description="seed of the mock model and of injected failures (a request's seed field "
+        "is accepted, not used)",
     )
     api_key: SecretStr | None = Field(None, description="require 'Authorization: Bearer <key>'")
     shutdown_grace: float = Field(10.0, ge=0, description="seconds in-flight streams may finish")
@@ -54,6 +65,30 @@ class Settings(BaseSettings):
     send_timeout: float = Field(30.0, gt=0, description="seconds a slow reader may stall a send")
     sse_ping_seconds: float = Field(15.0, gt=0, description="SSE keep-alive comment interval")
     log_level: str = Field("info", description="uvicorn and slotserve log level")
+    failure_rate: float = Field(
+        0.0, ge=0, le=1, description="share of generation requests failed on purpose"
+    )
+    failure_types: str = Field(
+        ",".join(FAILURE_TYPES), description="comma list of the failures --failure-rate injects"
+    )
+    failure_mid_stream_rate: float = Field(
+        0.0, ge=0, le=1, description="share of streams broken after a random number of tokens"
+    )
+    allow_fault_headers: bool = Field(
+        False, description="honour x-slotserve-fail and x-slotserve-fail-after (tests only)"
+    )
+
+    @field_validator("failure_types")
+    @classmethod
+    def _known_failure_types(cls, value: str) -> str:
+        names = [name.strip() for name in value.split(",") if name.strip()]
+        unknown = [name for name in names if name not in FAILURE_TYPES]
+        if unknown or not names:
+            raise ValueError(
+                f"unknown failure type {', '.join(map(repr, unknown)) or '(none given)'}; "
+                f"choose from {', '.join(FAILURE_TYPES)}"
+            )
+        return ",".join(dict.fromkeys(names))
 
     @model_validator(mode="after")
     def _budget_covers_every_slot(self) -> Self:

@@ -128,6 +128,9 @@ class EngineMetrics:
         self.preemptions = counter(
             "vllm:num_preemptions_total", "Requests preempted (their slot taken back)."
         )
+        self.injected_failures = counter(
+            "slotserve:injected_failures_total", "Failures injected on purpose.", ["type"]
+        )  # app/api/faults.py: not model-call failures, not rejections
         self.ttft = histogram(
             "vllm:time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS
         )

@@ -13,8 +13,8 @@ from app.engine.core import EngineConfig
 from app.engine.engine import Engine
 from app.engine.errors import (
     DuplicateRequestError,
-    EngineDeadError,
     EngineDrainingError,
+    EngineError,
     QueueFullError,
 )
 from app.engine.scheduler import BatchingPolicy
@@ -54,12 +54,20 @@ class GenerationParams:
     user: str | None = None
 
 
-REJECTION_REASONS: dict[type[Exception], str] = {
+REJECTION_REASONS: dict[type[EngineError], str] = {
     QueueFullError: "queue_full",
     DuplicateRequestError: "duplicate_id",
     EngineDrainingError: "draining",
-    EngineDeadError: "engine_dead",
-}
+}  # the reason label of slotserve:requests_rejected_total; any other refusal: engine_dead
+
+
+def context_length_error(prompt_len: int, max_tokens: int, context: int) -> InvalidRequestError:
+    """A prompt plus ``max_tokens`` that does not fit in the context length."""
+    return InvalidRequestError(
+        f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context length "
+        f"of {context} tokens",
+        "max_tokens", "context_length_exceeded",
+    )  # fmt: skip
 
 
 def build_model(settings: Settings) -> Model:
@@ -119,15 +127,23 @@ class Serving:
         await self.engine.stop(grace)
 
     def submit(self, params: GenerationParams, id_prefix: str = "gen") -> RequestStream:
-        """Validate ``params`` against the model and queue the request. Raises
-        ``InvalidRequestError`` or the engine's refusal (``QueueFullError``,
-        ``DuplicateRequestError``, ``EngineDrainingError``, ``EngineDeadError``), counted as a
-        rejection; the API layer turns each into its HTTP answer."""
-        seq = self._sequence(params, id_prefix)
+        """Validate ``params`` against the model and queue the request: ``prepare`` then
+        ``enqueue``."""
+        return self.enqueue(self.prepare(params, id_prefix))
+
+    def prepare(self, params: GenerationParams, id_prefix: str = "gen") -> Sequence:
+        """The request as a sequence, checked against the model (vocabulary, context length,
+        KV capacity); ``InvalidRequestError`` if it cannot run. Nothing is queued yet."""
+        return self._sequence(params, id_prefix)
+
+    def enqueue(self, seq: Sequence) -> RequestStream:
+        """Queue a prepared sequence. The engine's refusal (``QueueFullError``,
+        ``DuplicateRequestError``, ``EngineDrainingError``, ``EngineDeadError``) is counted and
+        raised; the API layer turns it into its HTTP answer."""
         try:
             return self.engine.submit(seq)
-        except (QueueFullError, DuplicateRequestError, EngineDrainingError, EngineDeadError) as err:
-            self.metrics.reject(REJECTION_REASONS[type(err)])
+        except EngineError as err:
+            self.metrics.reject(REJECTION_REASONS.get(type(err), "engine_dead"))
             raise
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
@@ -207,11 +223,7 @@ class Serving:
                 "max_tokens", "context_length_exceeded",
             )  # fmt: skip
         if room < 0 or max_tokens > room:
-            raise InvalidRequestError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context "
-                f"length of {context} tokens",
-                "max_tokens", "context_length_exceeded",
-            )  # fmt: skip
+            raise context_length_error(prompt_len, max_tokens, context)
         return max_tokens
 
 

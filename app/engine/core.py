@@ -108,10 +108,7 @@ class EngineCore:
         # A request being aborted frees its place at once, but no more than another whole
         # bound of them are kept (a submit-and-cancel loop during one long model call).
         if len(self.live) - len(self.aborting) >= bound or len(self.live) >= 2 * bound:
-            raise QueueFullError(
-                f"all {self.config.num_slots} slots are busy and the waiting queue is full "
-                f"({self.config.max_waiting} requests)"
-            )
+            raise QueueFullError.for_bounds(self.config.num_slots, self.config.max_waiting)
         stream = RequestStream(seq)
         self.live[seq.request_id] = stream
         return stream

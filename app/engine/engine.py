@@ -89,7 +89,7 @@ class Engine:
         if self.death is not None:
             raise EngineDeadError(f"the engine task died: {self.death!r}") from self.death
         if self.draining:
-            raise EngineDrainingError("the server is shutting down")
+            raise EngineDrainingError()
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         stream = self.core.register(seq)
