@@ -106,7 +106,6 @@ class EngineCoreMachine(RuleBasedStateMachine):
         self.observer = CountingObserver()
         self.requests: list[Tracked] = []
         self.injected: set[int] = set()  # id() of errors this test injected
-        self.stalls = 0  # KV deadlocks broken by the harness (see _schedule)
 
     @initialize(
         num_slots=st.integers(1, 4),
@@ -269,6 +268,24 @@ class EngineCoreMachine(RuleBasedStateMachine):
             if seq in out.admitted:
                 assert seq.generated == []
 
+    @precondition(lambda self: hasattr(self, "core") and self.core.num_running)
+    @rule(data=st.data())
+    def step_with_preempt_before_output(self, data: st.DataObject) -> None:
+        """Preemptions while the model runs: the preempted requests get none of the call's
+        tokens (they recompute them when they resume) and hold no blocks."""
+        out = self._schedule()
+        if out.empty:
+            return
+        tokens = self.core.runner.execute(out)
+        victims = data.draw(st.lists(st.sampled_from(out.scheduled()), unique_by=id, min_size=1))
+        before = {id(seq): list(seq.generated) for seq in victims}
+        for seq in victims:
+            self.core.scheduler.preempt(seq, self.core.clock())
+        self._update(out, tokens)
+        for seq in victims:
+            assert seq.status is RequestStatus.PREEMPTED and seq.generated == before[id(seq)]
+            assert seq.num_computed_tokens == 0 and seq.slot is None
+
     @precondition(lambda self: hasattr(self, "core") and self.core.live)
     @rule(model_ran=st.booleans())
     def failing_step(self, model_ran: bool) -> None:
@@ -397,8 +414,8 @@ class EngineCoreMachine(RuleBasedStateMachine):
         waiting_before = len(scheduler.waiting)
         running_before = self.core.num_running
         out = self.core.schedule()
-        if out.empty and self.core.num_running:
-            out = self._break_stall(out)
+        # requests holding slots always make progress (no KV deadlock between prefills)
+        assert not out.empty or not self.core.num_running
         for name, happened in [
             ("preempted", out.preempted),
             ("resumed", out.resumed),
@@ -440,25 +457,6 @@ class EngineCoreMachine(RuleBasedStateMachine):
         return (
             self.budget is not None and spent >= self.budget
         ) or self.core.config.kv_cache_tokens is not None
-
-    def _break_stall(self, out: SchedulerOutput) -> SchedulerOutput:
-        """Requests hold slots but nothing was scheduled. The only known way: partly
-        prefilled requests that fill the KV cache between them, none with room for its next
-        chunk (the bug pinned by test_scheduler's strict xfail
-        test_prefilling_requests_that_fill_the_kv_cache_between_them_make_progress). Check that
-        it is exactly that, then preempt the most recently admitted one so the run goes on."""
-        scheduler = self.core.scheduler
-        running = list(scheduler.slots.running())
-        assert self.core.config.kv_cache_tokens is not None, "stalled without a KV limit"
-        assert all(seq.prefilling for seq in running), "stalled with a decoding request"
-        assert len(running) >= 2, "a request that fits the cache alone stalled"
-        self.stalls += 1
-        event("KV deadlock broken by the harness")
-        scheduler.preempt(max(running, key=lambda seq: seq.admission), self.core.clock())
-        again = self.core.schedule()
-        assert not again.empty
-        again.preempted = out.preempted + again.preempted
-        return again
 
     def _update(self, out: SchedulerOutput, result: ModelOutput) -> None:
         steps = len(self.observer.steps)
