@@ -84,6 +84,8 @@ class Tracked:
         self.read = 0
         self.ended = False  # the delta with the finish reason was read
         self.expected = reference(tuple(seq.prompt), seq.max_tokens, seq.include_stop)
+        self.admitted: float | None = None  # the first admission and first token times seen:
+        self.first_token: float | None = None  # a resume must not move them
 
     def readable(self) -> bool:
         return not self.ended and (self.seq.num_generated > self.read or self.seq.finished)
@@ -406,6 +408,14 @@ class EngineCoreMachine(RuleBasedStateMachine):
             present = [m for m in marks if m is not None]
             assert present == sorted(present)
             assert (times.finished is not None) == tracked.seq.finished
+            if tracked.admitted is not None:
+                assert times.admitted == tracked.admitted
+            if tracked.first_token is not None:
+                assert times.first_token == tracked.first_token
+            tracked.admitted, tracked.first_token = times.admitted, times.first_token
+            assert (times.first_token is None) == (tracked.seq.num_generated == 0) or (
+                tracked.seq.include_stop is False and tracked.seq.finish_reason is FinishReason.STOP
+            )
 
     # --- helpers ---------------------------------------------------------------------------
 
