@@ -62,7 +62,7 @@ class Scenario:
         requests running together must be preempted."""
         if self.extra_blocks is None:
             return None
-        longest = max(len(s.prompt) + s.max_tokens - 1 for s in self.specs)
+        longest = max(1, *(len(s.prompt) + s.max_tokens - 1 for s in self.specs))
         return (-(-longest // self.block_size) + self.extra_blocks) * self.block_size
 
 

@@ -419,8 +419,8 @@ def test_kv_capacity_is_rounded_down_to_whole_blocks() -> None:
 
 
 def test_decodes_that_do_not_fit_preempt_the_most_recently_admitted_request() -> None:
-    a, b = seq("a", max_tokens=10, prompt=[1]), seq("b", max_tokens=10, prompt=[1])
-    config = SchedulerConfig(2, block_size=2, kv_cache_tokens=4)  # 2 blocks
+    a, b = seq("a", max_tokens=4, prompt=[1]), seq("b", max_tokens=4, prompt=[1])
+    config = SchedulerConfig(2, block_size=2, kv_cache_tokens=4)  # 2 blocks: each fits alone
     scheduler = configured(config, a, b)
     step(scheduler)  # each computed 1 token: one block each
     step(scheduler)  # each computed 2 tokens: still one block each
@@ -432,22 +432,28 @@ def test_decodes_that_do_not_fit_preempt_the_most_recently_admitted_request() ->
     assert scheduler.waiting.peek() is b
     answer(scheduler, out)
     assert blocks(scheduler, a) == used(scheduler) == 2
+    while scheduler.has_work():  # a finishes, then b resumes and finishes too
+        step(scheduler)
+    assert a.generated == b.generated == [5] * 4 and b.num_preemptions == 1
 
 
 def test_a_request_waits_while_no_block_is_free_for_its_first_chunk() -> None:
-    a, b = seq("a", max_tokens=10, prompt=[1] * 4), seq("b", prompt=[1])
-    config = SchedulerConfig(2, block_size=2, kv_cache_tokens=4)
+    a, b = seq("a", max_tokens=2, prompt=[1] * 7), seq("b", max_tokens=1, prompt=[1])
+    config = SchedulerConfig(2, block_size=2, kv_cache_tokens=8)
     scheduler = configured(config, a)
-    step(scheduler)  # a holds both blocks
+    step(scheduler)  # a holds all 4 blocks (7 tokens; its 8th fits the last one)
     scheduler.add(b, 0.0)
     out = scheduler.schedule(0.0)
+    assert out.decode_seqs == [a] and out.preempted == []
     assert out.admitted == [] and b.status is RequestStatus.WAITING and b.slot is None
-    assert scheduler.slots.num_free == 1
-    assert out.preempted == [a]  # a's next token needs a third block
+    assert scheduler.slots.num_free == 1  # a free slot, but no free block
+    answer(scheduler, out)  # a finishes: b gets in
+    assert a.finish_reason is FinishReason.LENGTH
+    assert scheduler.schedule(0.0).admitted == [b]
 
 
 def test_released_blocks_let_a_waiting_request_in() -> None:
-    a, b = seq("a", max_tokens=1, prompt=[1] * 4), seq("b", prompt=[1, 2])
+    a, b = seq("a", max_tokens=1, prompt=[1] * 4), seq("b", max_tokens=3, prompt=[1, 2])
     scheduler = configured(SchedulerConfig(2, block_size=2, kv_cache_tokens=4), a, b)
     out = scheduler.schedule(0.0)
     assert out.admitted == [a]  # a's prompt takes both blocks
@@ -476,6 +482,23 @@ def test_prefilling_requests_that_fill_the_kv_cache_between_them_make_progress()
         answer(scheduler, out)
     assert a.generated == b.generated == [5, 5, 5]
     assert preempted and set(ids(preempted)) == {"b"}  # the younger one gave way
+
+
+def test_a_request_that_can_never_fit_the_kv_cache_ends_at_once_with_an_error() -> None:
+    """It needs prompt + max_tokens - 1 tokens of cache (its last token is never fed back):
+    one more than the cache holds is refused before it waits, exactly as many runs."""
+    config = SchedulerConfig(1, block_size=2, kv_cache_tokens=8)
+    too_long, exact = seq("too_long", max_tokens=6, prompt=[1] * 4), seq("exact", 5, [1] * 4)
+    scheduler = configured(config)
+    assert scheduler.add(too_long, 1.0) is True
+    assert too_long.finish_reason is FinishReason.ERROR and too_long.slot is None
+    assert isinstance(too_long.error, ValueError) and "too_long" in str(too_long.error)
+    assert not scheduler.has_work()
+    assert scheduler.add(exact, 1.0) is False
+    while scheduler.has_work():
+        out = step(scheduler)
+        assert out.preempted == []
+    assert exact.generated == [5] * 5 and exact.num_preemptions == 0
 
 
 # --- aborts -----------------------------------------------------------------------------------
