@@ -124,11 +124,11 @@ async def test_overload_is_429_with_retry_after_at_once(one_slot: ServerProcess)
             await next_event(lines)
             async with client.stream("POST", "/generate", json=LONG):
                 await eventually(lambda: _waiting_is(client, 1))
-                started = time.monotonic()
+                # answered at once, not queued: a queued request would wait for the 8,000-token
+                # request ahead of it (40 s, past the client's timeout) and then get 200
                 r = await client.post("/generate", json={"prompt": "x", "max_tokens": 1})
                 assert r.status_code == 429 and r.headers["retry-after"] == "1"
                 assert r.json()["error"]["code"] == "queue_full"
-                assert time.monotonic() - started < 2.0  # answered, not queued
 
 
 async def aborted(client: httpx.AsyncClient) -> float:

@@ -270,6 +270,7 @@ async def test_a_slot_whose_release_raises_is_out_of_service_until_a_retry_succe
         short = submit("short ", 5)  # slot 1
         model.broken.add(1)
         assert (await short.collect())[1] is FinishReason.LENGTH
+        model.prefill_slots.clear()
         await eventually(lambda: model.failed[1] >= 2, "the failed reset to be retried")
         table = (await client.get("/slots")).json()["slots"]
         assert [s.get("out_of_service", False) for s in table] == [False, True, False]
@@ -277,6 +278,7 @@ async def test_a_slot_whose_release_raises_is_out_of_service_until_a_retry_succe
         assert metric(metrics, "slotserve:slots_out_of_service") == 1
         during = submit("during ", 5)  # served on slot 2, never on the slot out of service
         assert await during.collect() == (reference(list(b"during "), 5), FinishReason.LENGTH, None)
+        assert model.prefill_slots == [2]
         model.prefill_slots.clear()
 
         model.broken.clear()  # the next retry succeeds
