@@ -91,6 +91,15 @@ class Settings(BaseSettings):
         return ",".join(dict.fromkeys(names))
 
     @model_validator(mode="after")
+    def _kv_cache_holds_a_block(self) -> Self:
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise ValueError(
+                f"--kv-cache-tokens ({self.kv_cache_tokens}) must hold at least one block "
+                f"(--block-size {self.block_size})"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _budget_covers_every_slot(self) -> Self:
         if self.max_num_batched_tokens < self.num_slots:
             raise ValueError(

@@ -78,6 +78,12 @@ def build_model(settings: Settings) -> Model:
     return CachedMockModel(settings.num_slots, language)
 
 
+def default_kv_cache_tokens(settings: Settings) -> int:
+    """Room for every slot to hold a whole context, in whole blocks: it never binds."""
+    blocks_per_slot = -(-settings.max_model_len // settings.block_size)
+    return settings.num_slots * blocks_per_slot * settings.block_size
+
+
 def engine_config(settings: Settings) -> EngineConfig:
     """The engine's limits and step clock from the settings."""
     costs = StepCosts(
@@ -93,7 +99,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_prefill_chunk=settings.max_prefill_chunk,
         block_size=settings.block_size,
-        kv_cache_tokens=settings.kv_cache_tokens or settings.num_slots * settings.max_model_len,
+        kv_cache_tokens=settings.kv_cache_tokens or default_kv_cache_tokens(settings),
         max_model_len=settings.max_model_len,
         step_costs=costs,
         seed=settings.seed,
@@ -118,7 +124,18 @@ class Serving:
 
     @property
     def ready(self) -> bool:
-        return self.engine.alive and not self.engine.draining
+        return self.state == "ok"
+
+    @property
+    def state(self) -> str:
+        """``ok``, or why the server does not serve: ``draining``, ``engine_dead``, or
+        ``no_slot`` (every slot is out of service: the model cannot reset any)."""
+        if self.engine.draining:
+            return "draining"
+        if not self.engine.alive:
+            return "engine_dead"
+        table = self.engine.core.scheduler.slots
+        return "no_slot" if len(table.out_of_service) == table.capacity else "ok"
 
     async def start(self) -> None:
         await self.engine.start()
@@ -147,8 +164,9 @@ class Serving:
             raise
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
-        """End a live request early (``reason`` is ``abort``, or ``stop`` for a stop string);
-        its stream ends and its slot is free before the next model call. False if unknown."""
+        """End a live request early with ``reason`` (``abort``; failure injection uses
+        ``error``); its stream ends and its slot is free before the next model call. False if
+        no live request has this id."""
         return self.engine.abort(request_id, reason)
 
     def slots(self) -> list[dict[str, object]]:
@@ -216,7 +234,8 @@ class Serving:
         if requested is not None:
             max_tokens = requested
         books = self.engine.core.scheduler.books
-        if room >= 0 and max_tokens <= room and not books.fits_ever(prompt_len + max_tokens):
+        needed = prompt_len + max_tokens - 1  # the last token is never fed back
+        if room >= 0 and max_tokens <= room and not books.fits_ever(needed):
             raise InvalidRequestError(
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the KV cache "
                 f"({books.capacity_tokens} tokens)",

@@ -196,8 +196,7 @@ def test_cached_mock_contract_errors() -> None:
     with pytest.raises(SlotReuseError, match="starts at 1, cache holds 0"):
         model.step(batch(prefills=[prefill(1, [3], start=1)]))  # a continuation of nothing
     model.release(0)
-    with pytest.raises(SlotReuseError, match="released twice"):
-        model.release(0)
+    model.release(0)  # idempotent: a slot whose first chunk failed holds nothing to release
     with pytest.raises(SlotReuseError):
         model.step(batch([(0, 5)]))  # released: no longer decodable
     assert model.held_slots() == []

@@ -134,6 +134,11 @@ class EngineCore:
         for seq in self.scheduler.abort_all(self.clock()):
             self._finished(seq)
 
+    def fail_waiting(self, error: BaseException) -> None:
+        """End every request waiting for a slot with ``error`` (no slot can serve them)."""
+        for seq in self.scheduler.fail_waiting(error, self.clock()):
+            self._finished(seq)
+
     def fail_all(self, error: BaseException) -> None:
         """End every waiting and running request with ``error`` (the engine is dying)."""
         for seq in self.scheduler.fail_all(error, self.clock()):

@@ -19,7 +19,7 @@ from enum import Enum, auto
 from typing import TypeVar
 
 from app.engine.core import EngineConfig, EngineCore, EngineObserver
-from app.engine.errors import EngineDeadError, EngineDrainingError
+from app.engine.errors import EngineDeadError, EngineDrainingError, ModelError
 from app.engine.runner import close_quietly, make_runner
 from app.engine.step import ModelOutput, SchedulerOutput
 from app.engine.step_clock import StepClock, sleep_until
@@ -32,6 +32,7 @@ log = logging.getLogger("slotserve.engine")
 
 STUCK_CALL_TIMEOUT = 2.0  # seconds stop() waits for a model call before abandoning it
 STALL_RETRY = 0.1  # seconds between retries of failed slot resets while nothing can run
+STALL_LIMIT = 10.0  # seconds with no slot to run on before the waiting requests fail
 T = TypeVar("T")
 
 
@@ -73,6 +74,7 @@ class Engine:
         self.draining = False
         self.death: BaseException | None = None
         self._stopping: asyncio.Task[None] | None = None
+        self._stalled_since: float | None = None
 
     @property
     def alive(self) -> bool:
@@ -119,6 +121,7 @@ class Engine:
         Stopping again (the lifespan after a SIGTERM drain) waits for the first stop."""
         self.draining = True
         if self._task is None:
+            self._idle.set()
             return
         if self._stopping is None:
             self._stopping = asyncio.create_task(self._stop(grace, call_timeout))
@@ -140,8 +143,12 @@ class Engine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self._end_leftovers(FinishReason.ABORT, None)
-        if not call_abandoned and self.death is None:
-            await self._close_runner()  # no call is running: the model may release its slots
+        if not call_abandoned and self.death is None:  # no call is running: release the slots,
+            try:  # but a release that hangs is abandoned like a stuck call
+                await asyncio.wait_for(self._close_runner(), timeout=call_timeout)
+            except TimeoutError:
+                log.error("the model's slot release did not return in %.1f s: abandoned",
+                          call_timeout)  # fmt: skip
         if self._worker is not None:
             self._worker.shutdown()
         self._idle.set()
@@ -170,7 +177,9 @@ class Engine:
             if not self._drain_inbox():
                 return
             out = core.schedule()
-            if out.empty:  # work waits, but none can run now (every free slot is out of
+            if not out.empty:
+                self._stalled_since = None
+            else:  # work waits, but none can run now (every free slot is out of
                 if not await self._wait_for_room():  # service): wait, never spin
                     return
                 continue
@@ -188,14 +197,23 @@ class Engine:
                 core.update(out, result)
 
     async def _wait_for_room(self) -> bool:
-        """Nothing can be scheduled although requests wait: wait for a message (an abort, a
-        drain) for up to ``STALL_RETRY`` seconds, then have the model retry its failed slot
-        resets. False once SHUTDOWN is read."""
+        """Nothing can be scheduled although requests wait (every free slot is out of service):
+        wait for a message (an abort, a drain) for up to ``STALL_RETRY`` seconds, then have the
+        model retry its failed slot resets. If no slot has come back after ``STALL_LIMIT``
+        seconds, the waiting requests end with an error instead of waiting forever. False once
+        SHUTDOWN is read."""
         try:
             message = await asyncio.wait_for(self._inbox.get(), STALL_RETRY)
         except TimeoutError:
             unavailable = await self._in_worker(self.core.runner.retry_resets)
             self.core.scheduler.slots.set_out_of_service(unavailable)
+            now = self.core.clock()
+            self._stalled_since = self._stalled_since or now
+            if now - self._stalled_since >= STALL_LIMIT:
+                self._stalled_since = None
+                error = ModelError(f"the model failed to reset slots {sorted(unavailable)}")
+                log.error("%s for %.0f s: ending the waiting requests", error, STALL_LIMIT)
+                self.core.fail_waiting(error)
             return True
         return self._handle(message)
 

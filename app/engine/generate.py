@@ -6,7 +6,7 @@ import time
 from itertools import chain
 
 from app.engine.errors import ModelError
-from app.engine.runner import close_quietly, make_runner
+from app.engine.runner import ModelRunner, close_quietly, make_runner
 from app.engine.scheduler import Scheduler
 from app.engine.step import ModelOutput, SchedulerOutput
 from app.engine.types import Request, Sequence
@@ -46,6 +46,9 @@ def generate(
     try:
         while scheduler.has_work():
             out = scheduler.schedule(time.monotonic())
+            if out.empty:  # only when the model cannot reset a slot: retry, or give up
+                _recover_slots(runner, scheduler, seqs)
+                continue
             result = _run_step(runner.execute, out, seqs)
             scheduler.update(out, result, time.monotonic())
     finally:
@@ -98,6 +101,17 @@ def _sequence(request: Request, stops: frozenset[int], include_stop: bool) -> Se
     return Sequence(
         request.request_id, list(request.prompt), request.max_tokens, stops, include_stop
     )
+
+
+def _recover_slots(runner: ModelRunner, scheduler: Scheduler, seqs: list[Sequence]) -> None:
+    """Nothing could be scheduled: have the model retry its failed slot resets; if a slot is
+    still unavailable, raise ``ModelError`` with the partial results (``generate()`` does not
+    wait for a model to heal)."""
+    unavailable = runner.retry_resets()
+    scheduler.slots.set_out_of_service(unavailable)
+    if unavailable:
+        partial = {seq.request_id: seq.generated for seq in seqs}
+        raise ModelError(f"the model failed to reset slots {sorted(unavailable)}", partial)
 
 
 def _run_step(execute: object, out: SchedulerOutput, seqs: list[Sequence]) -> ModelOutput:

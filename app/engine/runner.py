@@ -127,6 +127,7 @@ class CachedRunner:
         """The decode slots, sampling parameters and ids: rebuilt only when the list changes."""
         if decodes is not self._decodes:
             slots = [seq.slot for seq in decodes if seq.slot is not None]
+            assert len(slots) == len(decodes), "a decoding request without a slot"
             self._decodes = decodes
             self._columns = (slots, [s.sampling for s in decodes], [s.request_id for s in decodes])
         return self._columns

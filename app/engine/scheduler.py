@@ -58,9 +58,12 @@ class SchedulerConfig:
 
     @property
     def kv_binds(self) -> bool:
-        """Whether the KV capacity can ever stop a request from running."""
-        kv, longest = self.kv_cache_tokens, self.max_model_len
-        return kv is not None and (longest is None or kv < self.num_slots * longest)
+        """Whether the KV capacity can ever stop a request from running (compared in whole
+        blocks: a full slot holds ``ceil(max_model_len / block_size)`` of them)."""
+        kv, longest, size = self.kv_cache_tokens, self.max_model_len, self.block_size
+        if kv is None:
+            return False
+        return longest is None or kv // size < self.num_slots * -(-longest // size)
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
@@ -109,9 +112,17 @@ class Scheduler:
     # --- arrivals and early ends ------------------------------------------------------------
 
     def add(self, seq: Sequence, now: float) -> bool:
-        """Queue ``seq``. Returns True if it finished at once (``max_tokens == 0``: never run)."""
+        """Queue ``seq``. Returns True if it finished at once: ``max_tokens == 0`` (never run,
+        ``length``) or too long for the whole KV cache (``error``)."""
         if seq.max_tokens <= 0:
             self._finish(seq, FinishReason.LENGTH, now)
+            return True
+        if self.config.kv_binds and not self.books.fits_ever(seq.token_limit - 1):
+            seq.error = ValueError(
+                f"request {seq.request_id!r} needs up to {seq.token_limit - 1} tokens of KV "
+                f"cache; the cache holds {self.books.capacity_tokens}"
+            )
+            self._finish(seq, FinishReason.ERROR, now)
             return True
         seq.status = RequestStatus.WAITING
         self.waiting.push(seq)
@@ -137,6 +148,10 @@ class Scheduler:
     def fail_all(self, error: BaseException, now: float) -> list[Sequence]:
         """End every waiting and running request with ``error`` (the engine is going down)."""
         return self._end_all(self.waiting.drain() + list(self.slots.running()), now, error)
+
+    def fail_waiting(self, error: BaseException, now: float) -> list[Sequence]:
+        """End every request waiting for a slot with ``error``."""
+        return self._end_all(self.waiting.drain(), now, error)
 
     def abort_waiting(self, now: float) -> list[Sequence]:
         """Abort every request still waiting for a slot (drain: no new admissions)."""
@@ -256,9 +271,11 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int, now: float) -> int:
         """Move waiting requests into free slots while the budget and the cache allow."""
-        if self.policy is BatchingPolicy.STATIC and self.slots.occupied:
+        static = self.policy is BatchingPolicy.STATIC
+        if static and self.slots.occupied:
             return budget
-        while budget > 0 and self.waiting and self.slots.num_free:
+        # Static batching fills every slot at once (later steps prefill what the budget left).
+        while (budget > 0 or static) and self.waiting and self.slots.num_free:
             seq = self.waiting.peek()
             if not self.books.room(0, self._free_blocks):
                 break  # the cache is full: it waits (first come, first served)
@@ -280,24 +297,20 @@ class Scheduler:
     def _apply_decodes(self, seqs: list[Sequence], tokens: list[int], outcome: StepOutcome) -> int:
         """The hot path: one token for each decoding request. Returns the tokens applied."""
         finished, now, running = outcome.finished, outcome.ended_at, RequestStatus.RUNNING
-        skipped = 0
+        skipped = dropped = 0
         for seq, token in zip(seqs, tokens, strict=False):
             if seq.status is not running:
                 skipped += 1  # aborted or preempted while the model ran: its token is dropped
-            elif token in seq.stop_token_ids:
-                self._stop(seq, token, now, finished)
+            elif (
+                token in seq.stop_token_ids
+                or len(seq.tokens) + 1 >= seq.token_limit
+                or seq.stop is not None
+            ):
+                dropped += self._append(seq, token, now, finished)  # every end rule: one place
             else:
-                prefix = seq.tokens
-                prefix.append(token)  # one token, not the last: the request has computed it
-                if len(prefix) >= seq.token_limit:
-                    self._finish(seq, FinishReason.LENGTH, now)
-                    finished.append(seq)
-                elif seq.stop is not None and seq.stop.feed([token]):
-                    self._finish(seq, FinishReason.STOP, now)
-                    finished.append(seq)
-        applied = len(seqs) - skipped
-        outcome.num_generated += applied
-        return applied
+                seq.tokens.append(token)  # one token, not the last: the request has computed it
+        outcome.num_generated += len(seqs) - skipped - dropped
+        return len(seqs) - skipped
 
     def _apply_prefills(
         self, out: SchedulerOutput, result: ModelOutput, outcome: StepOutcome
@@ -305,9 +318,9 @@ class Scheduler:
         tokens, index, now = result.tokens, len(out.decode_seqs), outcome.ended_at
         for seq, chunk in zip(out.prefill_seqs, out.prefills, strict=True):
             if not result.ran(chunk):  # its slot could not be reset: back to the queue
-                if seq.status is RequestStatus.RUNNING:
-                    self._requeue(seq, RequestStatus.WAITING)
-                    seq.times.admitted = None
+                if seq.status is RequestStatus.RUNNING:  # (not counted as a preemption)
+                    was = RequestStatus.PREEMPTED if seq.num_preemptions else RequestStatus.WAITING
+                    self._requeue(seq, was)
                 continue
             token = tokens[index] if chunk.sample else None
             index += chunk.sample
@@ -318,28 +331,32 @@ class Scheduler:
                 continue
             self._prefilling.remove(seq)
             self._decoding = None  # it decodes from the next step on
-            outcome.num_generated += 1
             if seq.times.first_token is None:
                 seq.times.first_token = now
-            self._append(seq, token, now, outcome.finished)
+            outcome.num_generated += 1 - self._append(seq, token, now, outcome.finished)
 
-    def _append(self, seq: Sequence, token: int, now: float, finished: list[Sequence]) -> None:
+    def _append(self, seq: Sequence, token: int, now: float, finished: list[Sequence]) -> int:
+        """Append ``token`` and apply the end rules: a stop token (kept only with
+        ``include_stop``), a stop string, ``max_tokens``. Returns 1 if the token was a stop
+        token left out of the output, else 0."""
         if token in seq.stop_token_ids:
-            self._stop(seq, token, now, finished)
-            return
-        seq.tokens.append(token)
-        if len(seq.tokens) >= seq.token_limit:
-            self._finish(seq, FinishReason.LENGTH, now)
-            finished.append(seq)
-        elif seq.stop is not None and seq.stop.feed([token]):
-            self._finish(seq, FinishReason.STOP, now)
-            finished.append(seq)
-
-    def _stop(self, seq: Sequence, token: int, now: float, finished: list[Sequence]) -> None:
-        if seq.include_stop:
+            reason = FinishReason.STOP
+            if not seq.include_stop:
+                self._finish(seq, reason, now)
+                finished.append(seq)
+                return 1
             seq.tokens.append(token)
-        self._finish(seq, FinishReason.STOP, now)
+        else:
+            seq.tokens.append(token)
+            if seq.stop is not None and seq.stop.feed([token]):
+                reason = FinishReason.STOP
+            elif len(seq.tokens) >= seq.token_limit:
+                reason = FinishReason.LENGTH
+            else:
+                return 0
+        self._finish(seq, reason, now)
         finished.append(seq)
+        return 0
 
     # --- ends -------------------------------------------------------------------------------
 

@@ -92,8 +92,9 @@ class ModelOutput:
 class StepOutcome:
     """What applying one step did (for metrics and logs).
 
-    ``finished``: requests the step ended. ``num_generated``: tokens appended to requests still
-    running when the call returned (a token for a request aborted during the call is dropped).
+    ``finished``: requests the step ended. ``num_generated``: tokens added to the output of
+    requests still running when the call returned (a token for a request aborted during the
+    call is dropped, and so is a stop token left out of the output, as in ``usage``).
     ``num_decode_generated``: the part of it from decode requests (each continues from the
     previous step, so it is one inter-token gap). ``error``: set if the model call failed.
     """
