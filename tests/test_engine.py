@@ -26,7 +26,7 @@ from app.engine.errors import (
 )
 from app.engine.scheduler import BatchingPolicy
 from app.engine.step import ModelOutput, SchedulerOutput, StepOutcome
-from app.engine.step_clock import JITTER_CAP, StepClock, StepCosts, sleep_until
+from app.engine.step_clock import StepClock, StepCosts, sleep_until
 from app.engine.stream import Delta, RequestStream
 from app.engine.types import FinishReason, Sequence
 from app.models.cached_mock import CachedMockModel
@@ -420,9 +420,8 @@ async def test_stop_aborts_what_is_still_running_after_grace() -> None:
     long = engine.submit(seq("long", [1], 10**7))
     queued = engine.submit(seq("queued", [2], 5))
     await anext(long)  # it is running
-    started = time.monotonic()
-    await engine.stop(grace=0.05)
-    assert time.monotonic() - started < 1.5
+    # it returns once the aborts are applied, never waiting out the stuck-call timeout
+    await asyncio.wait_for(engine.stop(grace=0.05, call_timeout=60), timeout=30)
     tokens, reason, _ = await long.collect()
     assert reason is FinishReason.ABORT
     assert tokens == reference(MockModel(NEVER_STOPS), [1], len(tokens), STOP)
@@ -528,9 +527,8 @@ async def test_stop_returns_promptly_when_the_last_call_fails(
             model.gate.set()
 
     monkeypatch.setattr(engine._inbox, "put_nowait", put_then_fail_the_call)
-    started = time.monotonic()
-    await engine.stop(grace=0)
-    assert time.monotonic() - started < 1.5  # not the 2 s wait for a task that never ends
+    # not the stuck-call wait for a task that never ends
+    await asyncio.wait_for(engine.stop(grace=0, call_timeout=60), timeout=30)
     _, reason, _ = await stream.collect()
     assert reason in (FinishReason.ABORT, FinishReason.ERROR)
 
@@ -653,9 +651,8 @@ def test_step_clock_mean_and_enabled() -> None:
 def test_step_clock_jitter_is_capped_at_30_percent(jitter: float) -> None:
     clock = StepClock(StepCosts(step_ms=100, jitter=jitter), seed=7)
     samples = [clock.duration(0, 1) for _ in range(3_000)]
-    assert min(samples) >= 0.1 * (1 - JITTER_CAP) - 1e-12
-    assert max(samples) <= 0.1 * (1 + JITTER_CAP) + 1e-12
-    assert JITTER_CAP == 0.3
+    assert min(samples) >= 0.1 * 0.7 - 1e-12  # the documented +-30%
+    assert max(samples) <= 0.1 * 1.3 + 1e-12
     assert sum(samples) / len(samples) == pytest.approx(0.1, rel=0.05)
     assert max(samples) > min(samples)  # it does jitter
     again = StepClock(StepCosts(step_ms=100, jitter=jitter), seed=7)

@@ -356,13 +356,6 @@ def test_a_model_call_that_never_returns_does_not_keep_a_stopped_server_alive(
     assert hung_exit.seconds < bound, f"exited {hung_exit.seconds:.2f} s after SIGTERM"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: with a stuck model call, stop() waits grace, then STUCK_CALL_TIMEOUT (2 s) "
-    "more before abandoning it, so the exit takes grace + 2 s + uvicorn's close (~2.7 s for "
-    "grace 0.5): over the grace + 2 s that README 'Shutdown' promises",
-)
 def test_sigterm_exits_within_grace_plus_2_s_even_with_a_model_call_that_never_returns(
     hung_exit: HungExit,
 ) -> None:

@@ -30,7 +30,7 @@ from app.models.protocol import Model
 
 log = logging.getLogger("slotserve.engine")
 
-STUCK_CALL_TIMEOUT = 2.0  # seconds stop() waits for a model call before abandoning it
+STUCK_CALL_TIMEOUT = 1.0  # seconds stop() waits for a model call before abandoning it
 STALL_RETRY = 0.1  # seconds between retries of failed slot resets while nothing can run
 STALL_LIMIT = 10.0  # seconds with no slot to run on before the waiting requests fail
 T = TypeVar("T")
