@@ -6,9 +6,9 @@ variable (``SLOTSERVE_NUM_SLOTS``); a flag wins over the environment, which wins
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Self
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 FAILURE_TYPES = (
@@ -30,6 +30,16 @@ class Settings(BaseSettings):
     max_waiting: int = Field(1024, ge=0, description="waiting-queue bound; past it: 429")
     max_model_len: int = Field(8192, ge=2, description="context length: prompt + max_tokens")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request omits it")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="token budget per step (decode + prefill); >= --num-slots"
+    )
+    max_prefill_chunk: int | None = Field(
+        None, ge=1, description="prompt tokens one request may prefill per step (unset: budget)"
+    )
+    block_size: int = Field(16, ge=1, le=1024, description="KV-cache block size (tokens)")
+    kv_cache_tokens: int | None = Field(
+        None, ge=1, description="KV-cache capacity in tokens (unset: slots x max-model-len)"
+    )
     batching: Literal["continuous", "static"] = Field(
         "continuous", description="admission policy (static: only into an empty batch)"
     )
@@ -37,9 +47,9 @@ class Settings(BaseSettings):
     model: Literal["mock", "cached-mock"] = Field(
         "cached-mock", description="built-in model: stateless mock or per-slot KV-cache mock"
     )
-    mock_step_ms: float = Field(0.0, ge=0, description="simulated decode step latency (ms)")
-    mock_per_seq_ms: float = Field(0.0, ge=0, description="extra step latency per sequence (ms)")
-    mock_prefill_ms: float = Field(0.0, ge=0, description="extra latency per prompt token (ms)")
+    mock_step_ms: float = Field(0.0, ge=0, description="step clock: ms per step (b0)")
+    mock_per_seq_ms: float = Field(0.0, ge=0, description="step clock: ms per decode token (b2)")
+    mock_prefill_ms: float = Field(0.0, ge=0, description="step clock: ms per prefill token (b1)")
     mock_jitter: float = Field(0.0, ge=0, le=0.3, description="step latency std-dev / mean")
     mock_stop_probability: float = Field(
         0.01, ge=0, le=1, description="chance per token that the mock ends its output"
@@ -79,3 +89,21 @@ class Settings(BaseSettings):
                 f"choose from {', '.join(FAILURE_TYPES)}"
             )
         return ",".join(dict.fromkeys(names))
+
+    @model_validator(mode="after")
+    def _kv_cache_holds_a_block(self) -> Self:
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise ValueError(
+                f"--kv-cache-tokens ({self.kv_cache_tokens}) must hold at least one block "
+                f"(--block-size {self.block_size})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _budget_covers_every_slot(self) -> Self:
+        if self.max_num_batched_tokens < self.num_slots:
+            raise ValueError(
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= "
+                f"--num-slots ({self.num_slots}) so every running request decodes every step"
+            )
+        return self

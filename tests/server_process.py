@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -43,15 +43,18 @@ class ServerProcess:
 
 @contextmanager
 def running_server(
-    *flags: str, env: dict[str, str] | None = None, stderr: Any = None
+    *flags: str,
+    env: dict[str, str] | None = None,
+    stderr: Any = None,
+    launcher: Sequence[str] = ("-m", "app", "serve"),
 ) -> Iterator[ServerProcess]:
-    """Start a server with ``flags`` on a free port; wait until /health is 200; kill it after."""
+    """Start a server with ``flags`` on a free port; wait until /health is 200; kill it after.
+    ``launcher``: the interpreter's arguments that start it (a test-only script takes the
+    ``serve`` flags too, e.g. tests/hanging_server.py)."""
     port = free_port()
     command = [
         sys.executable,
-        "-m",
-        "app",
-        "serve",
+        *launcher,
         "--port",
         str(port),
         "--log-level",

@@ -8,7 +8,7 @@ import pytest
 from conftest import ClientFactory
 from sse import parse_sse
 
-from app.api.stop_strings import StopStringMatcher
+from app.engine.stop_strings import StopStringMatcher
 
 
 async def test_models_lists_the_served_model(make_client: ClientFactory) -> None:

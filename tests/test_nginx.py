@@ -328,8 +328,8 @@ def test_nginx_streams_token_by_token(pair: Cluster) -> None:
     assert done["finish_reason"] == "length"
     assert len(tokens) == max_tokens == len(done["tokens"])
     first = arrivals[0]
-    assert first < 0.5, f"first token after {first:.3f} s"
-    # Buffered by nginx, every event would arrive together at the end.
+    # Buffered by nginx, every event would arrive together at the end. (How soon the first
+    # token arrives is a latency, measured in benchmarks, not asserted here.)
     spread = finished - first
     assert spread > 0.2, f"all tokens within {spread:.3f} s: buffered?"
     early = sum(1 for t in arrivals if t < first + spread / 2)
@@ -357,6 +357,9 @@ def test_nginx_client_disconnect_frees_the_slot(pair: Cluster, streamed: bool) -
     leaving = open_generate(pair.nginx.port, long_body)
     try:
         replica = pair.holder_of(long_id)  # its only slot is now taken
+        # The module's replicas are shared by every test (and both parametrisations): count
+        # this test's abort from here, not the cumulative total.
+        aborts = replica.metric("vllm:request_success_total", finished_reason="abort")
         if streamed:
             received = b""
             while b"event: token" not in received:
@@ -388,7 +391,7 @@ def test_nginx_client_disconnect_frees_the_slot(pair: Cluster, streamed: bool) -
     assert queued_events[-1][0] == "done"
     assert queued_events[-1][1]["finish_reason"] == "length"
     assert len(queued_events[-1][1]["tokens"]) == 3
-    assert replica.metric("vllm:request_success_total", finished_reason="abort") >= 1
+    assert replica.metric("vllm:request_success_total", finished_reason="abort") == aborts + 1
 
 
 def test_nginx_cancel_reaches_the_replica_holding_the_request(pair: Cluster) -> None:

@@ -10,7 +10,7 @@ from sse_starlette.sse import AppStatus
 
 from app.api.streaming import EventStream
 
-STALL_TIMEOUT = 0.2
+STALL_TIMEOUT = 0.05  # the tests synchronise on its wake-ups, not on durations
 EVENTS = [f"data: {i}\n\n".encode() for i in range(6)]
 SCOPE = {"type": "http", "method": "POST", "path": "/generate", "headers": []}
 
@@ -25,33 +25,50 @@ async def never_disconnects() -> dict[str, str]:
     raise AssertionError("unreachable")
 
 
-async def serve(send_delay: float | None) -> tuple[list[bytes], bool]:
-    """Run one stream against a client that takes each event after ``send_delay`` seconds, or
-    never takes the second one (None). Returns the events taken and whether on_close ran."""
+async def serve(reader: str) -> tuple[list[bytes], bool, int]:
+    """Run one stream against a client that reads as ``reader`` says: ``"slow"`` takes each
+    event only once the watchdog has woken up while its send was pending (the slowest reader
+    that keeps reading: every send spans a wake-up), ``"stopped"`` never takes the second one.
+    Returns the events taken, whether on_close ran, and the watchdog's wake-ups."""
     AppStatus.disable_automatic_graceful_drain()  # type: ignore[no-untyped-call]
     taken: list[bytes] = []
     closed = asyncio.Event()
+    wakeup = asyncio.Event()  # set at the watchdog's next wake-up (then replaced)
+    wakeups = 0
+    response = EventStream(events(), stall_timeout=STALL_TIMEOUT, ping=600, on_close=closed.set)
+    watch = response._watch
+
+    def counting_watch(loop: asyncio.AbstractEventLoop, pending_send: int) -> None:
+        nonlocal wakeup, wakeups
+        wakeups += 1
+        watch(loop, pending_send)
+        wakeup.set()
+        wakeup = asyncio.Event()
+
+    response._watch = counting_watch  # type: ignore[method-assign]
 
     async def send(message: dict[str, object]) -> None:
         body = message.get("body")
         if not isinstance(body, bytes) or not body:
             return
-        if send_delay is None and taken:
+        if reader == "stopped" and taken:
             await asyncio.Event().wait()  # the reader stopped reading
-        await asyncio.sleep(send_delay or 0)
+        if reader == "slow":
+            await wakeup.wait()
         taken.append(body)
 
-    response = EventStream(events(), stall_timeout=STALL_TIMEOUT, ping=600, on_close=closed.set)
-    await asyncio.wait_for(response(SCOPE, never_disconnects, send), timeout=5)  # type: ignore[arg-type]
-    return taken, closed.is_set()
+    await asyncio.wait_for(response(SCOPE, never_disconnects, send), timeout=10)  # type: ignore[arg-type]
+    return taken, closed.is_set(), wakeups
 
 
 async def test_a_slow_reader_that_keeps_reading_gets_every_event() -> None:
-    # Each send takes a quarter of the stall timeout; the whole stream takes longer than it.
-    taken, closed = await serve(send_delay=STALL_TIMEOUT / 4)
+    """Every send is still pending at one watchdog wake-up (so the stream lasts several stall
+    timeouts), but none at two: the reader is slow, not stalled, and is never cut off."""
+    taken, closed, wakeups = await serve("slow")
     assert taken == EVENTS and closed
+    assert wakeups >= len(EVENTS)
 
 
 async def test_a_reader_that_stops_reading_is_cut_off_and_its_request_closed() -> None:
-    taken, closed = await serve(send_delay=None)
+    taken, closed, _ = await serve("stopped")
     assert taken == EVENTS[:1] and closed

@@ -22,6 +22,7 @@ from app.engine.errors import (
     EngineError,
     QueueFullError,
 )
+from app.serving import InvalidRequestError, context_length_error
 
 log = logging.getLogger("slotserve.api")
 
@@ -61,6 +62,8 @@ def error_json(status: int, message: str, type: str, code: str | None = None) ->
 
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(InvalidRequestError, _refused)
+    app.add_exception_handler(EngineError, _refused)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
@@ -69,6 +72,14 @@ def install_error_handlers(app: FastAPI) -> None:
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _refused(request: Request, exc: Exception) -> JSONResponse:
+    """A request refused below the API: its HTTP answer is decided here."""
+    if isinstance(exc, InvalidRequestError):
+        return await _api_error(request, invalid_request(exc))
+    assert isinstance(exc, EngineError)
+    return await _api_error(request, refusal(exc))
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
@@ -179,11 +190,14 @@ def invalid_api_key() -> APIError:
                     headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
 
 
+def invalid_request(err: InvalidRequestError) -> APIError:
+    """400 for a request the model cannot take (``app.serving`` says why and which field)."""
+    return APIError(400, str(err), param=err.param, code=err.code)
+
+
 def context_length_exceeded(prompt_len: int, max_tokens: int, context: int) -> APIError:
     """400 for a prompt plus ``max_tokens`` that does not fit in the context length."""
-    return APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds "
-                    f"the context length of {context} tokens", param="max_tokens",
-                    code="context_length_exceeded")  # fmt: skip
+    return invalid_request(context_length_error(prompt_len, max_tokens, context))
 
 
 def model_not_found(requested: str, served: str) -> APIError:

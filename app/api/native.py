@@ -42,6 +42,8 @@ async def generate(body: GenerateRequest, request: Request, serving: ServingDep)
         ignore_eos=body.ignore_eos,
         request_id=body.request_id,
         priority=body.priority,
+        sampling=body.sampling(),
+        user=body.user,
     )
     stream = faults.submit(request, serving, params, streaming=body.stream)
     if body.stream:

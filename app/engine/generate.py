@@ -6,8 +6,9 @@ import time
 from itertools import chain
 
 from app.engine.errors import ModelError
-from app.engine.runner import close_quietly, make_runner
-from app.engine.scheduler import Scheduler, StepPlan
+from app.engine.runner import ModelRunner, close_quietly, make_runner
+from app.engine.scheduler import Scheduler
+from app.engine.step import ModelOutput, SchedulerOutput
 from app.engine.types import Request, Sequence
 from app.models.protocol import Model
 
@@ -44,9 +45,12 @@ def generate(
         scheduler.add(seq, now)
     try:
         while scheduler.has_work():
-            plan = scheduler.schedule(time.monotonic())
-            tokens = _run_step(runner.execute, plan, seqs)
-            scheduler.apply(plan, tokens, time.monotonic())
+            out = scheduler.schedule(time.monotonic())
+            if out.empty:  # only when the model cannot reset a slot: retry, or give up
+                _recover_slots(runner, scheduler, seqs)
+                continue
+            result = _run_step(runner.execute, out, seqs)
+            scheduler.update(out, result, time.monotonic())
     finally:
         close_quietly(runner)
     return {seq.request_id: seq.generated for seq in seqs}
@@ -99,15 +103,26 @@ def _sequence(request: Request, stops: frozenset[int], include_stop: bool) -> Se
     )
 
 
-def _run_step(execute: object, plan: StepPlan, seqs: list[Sequence]) -> list[int]:
+def _recover_slots(runner: ModelRunner, scheduler: Scheduler, seqs: list[Sequence]) -> None:
+    """Nothing could be scheduled: have the model retry its failed slot resets; if a slot is
+    still unavailable, raise ``ModelError`` with the partial results (``generate()`` does not
+    wait for a model to heal)."""
+    unavailable = runner.retry_resets()
+    scheduler.slots.set_out_of_service(unavailable)
+    if unavailable:
+        partial = {seq.request_id: seq.generated for seq in seqs}
+        raise ModelError(f"the model failed to reset slots {sorted(unavailable)}", partial)
+
+
+def _run_step(execute: object, out: SchedulerOutput, seqs: list[Sequence]) -> ModelOutput:
     """Run one model call; on failure raise a ``ModelError`` carrying the partial results."""
     assert callable(execute)
     try:
-        tokens: list[int] = execute(plan)
+        result: ModelOutput = execute(out)
     except ModelError as err:
         err.partial = {seq.request_id: seq.generated for seq in seqs}
         raise
     except Exception as err:
         partial = {seq.request_id: seq.generated for seq in seqs}
         raise ModelError(f"model call failed: {err!r}", partial) from err
-    return tokens
+    return result
