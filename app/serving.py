@@ -17,6 +17,7 @@ from app.engine.errors import (
     EngineError,
     QueueFullError,
 )
+from app.engine.policies import PolicyConfig, PolicyName
 from app.engine.scheduler import BatchingPolicy
 from app.engine.step_clock import StepCosts
 from app.engine.stop_strings import StopStrings
@@ -51,7 +52,11 @@ class GenerationParams:
     request_id: str | None = None
     priority: int = 0
     sampling: SamplingParams = DEFAULT_SAMPLING
-    user: str | None = None
+    user: str | None = None  # the request's own user field
+    # The named API key the request authenticated with (None: no named keys). When set, it is
+    # the request's user for --policy fair (a client cannot override it) and
+    # --max-priority-for bounds its priority.
+    key_name: str | None = None
 
 
 REJECTION_REASONS: dict[type[EngineError], str] = {
@@ -78,6 +83,21 @@ def build_model(settings: Settings) -> Model:
     return CachedMockModel(settings.num_slots, language)
 
 
+def policy_config(settings: Settings) -> PolicyConfig:
+    """The scheduling policy and its knobs from the settings."""
+    return PolicyConfig(
+        name=PolicyName(settings.policy),
+        max_overtakes=settings.max_overtakes,
+        preemption_threshold=settings.preemption_threshold,
+        mlfq_levels=settings.mlfq_levels,
+        mlfq_quantum=settings.mlfq_quantum,
+        mlfq_aging_seconds=settings.mlfq_aging_seconds,
+        mlfq_skip_join_tokens=settings.mlfq_skip_join_tokens,
+        fair_prompt_weight=settings.fair_prompt_weight,
+        fair_output_weight=settings.fair_output_weight,
+    )
+
+
 def engine_config(settings: Settings) -> EngineConfig:
     """The engine's limits and step clock from the settings."""
     costs = StepCosts(
@@ -95,6 +115,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         block_size=settings.block_size,
         kv_cache_tokens=settings.kv_cache_tokens or settings.num_slots * settings.max_model_len,
         max_model_len=settings.max_model_len,
+        scheduling=policy_config(settings),
         step_costs=costs,
         seed=settings.seed,
     )
@@ -111,6 +132,12 @@ class Serving:
         self.engine = Engine(self.model, engine_config(settings), observer=self.metrics)
         self.metrics.bind(self.engine.core)
         self.started_at = time.time()
+        self.priority_limits = settings.priority_limits()
+
+    def priority_ignored(self, priority: int) -> bool:
+        """Whether a request's ``priority`` has no effect here (a non-default priority under a
+        policy other than ``priority``): the API reports it in a response header."""
+        return priority != 0 and self.settings.policy != "priority"
 
     @property
     def eos_token_id(self) -> int:
@@ -153,7 +180,8 @@ class Serving:
 
     def slots(self) -> list[dict[str, object]]:
         """The slot table now, one entry per slot (like llama.cpp's ``/slots``)."""
-        table, now = self.engine.core.scheduler.slots, time.monotonic()
+        scheduler, now = self.engine.core.scheduler, time.monotonic()
+        table, scheduling = scheduler.slots, scheduler.scheduling
         out_of_service = table.out_of_service
         out: list[dict[str, object]] = []
         for index in range(table.capacity):
@@ -162,6 +190,7 @@ class Serving:
             if index in out_of_service:
                 entry["out_of_service"] = True
             if seq is not None:
+                level = scheduling.level(seq) if scheduling is not None else None
                 entry |= {
                     "request_id": seq.request_id,
                     "prompt_tokens": seq.prompt_len,
@@ -171,15 +200,20 @@ class Serving:
                     "n_computed": seq.num_computed_tokens,
                     "prefilling": seq.prefilling,
                     "priority": seq.priority,
+                    "user": seq.user,
                     "preemptions": seq.num_preemptions,
+                    "overtaken": seq.overtaken,
                     "age_seconds": round(now - seq.times.arrival, 6),
                 }
+                if level is not None:
+                    entry["level"] = level
             out.append(entry)
         return out
 
     def _sequence(self, params: GenerationParams, id_prefix: str) -> Sequence:
         if not params.prompt:
             raise InvalidRequestError("prompt must not be empty", "prompt", "empty_prompt")
+        self._check_priority(params)
         self._check_vocabulary(params.prompt, "prompt")
         self._check_vocabulary(params.stop_token_ids, "stop_token_ids")
         stops = set(params.stop_token_ids)
@@ -196,8 +230,20 @@ class Serving:
             priority=params.priority,
             sampling=params.sampling,
             stop=text_stop,
-            user=params.user,
+            user=params.key_name if params.key_name is not None else params.user,
         )
+
+    def _check_priority(self, params: GenerationParams) -> None:
+        """``--max-priority-for``: a named key may not claim a better priority than its bound."""
+        if params.key_name is None:
+            return
+        best = self.priority_limits.get(params.key_name)
+        if best is not None and params.priority < best:
+            raise InvalidRequestError(
+                f"priority {params.priority} is better than API key {params.key_name!r} may "
+                f"claim (at best {best}; lower is better)",
+                "priority", "priority_not_allowed",
+            )  # fmt: skip
 
     def _check_vocabulary(self, ids: list[int], param: str) -> None:
         vocab = self.tokenizer.vocab_size
