@@ -213,7 +213,6 @@ class Serving:
     def _sequence(self, params: GenerationParams, id_prefix: str) -> Sequence:
         if not params.prompt:
             raise InvalidRequestError("prompt must not be empty", "prompt", "empty_prompt")
-        self._check_priority(params)
         self._check_vocabulary(params.prompt, "prompt")
         self._check_vocabulary(params.stop_token_ids, "stop_token_ids")
         stops = set(params.stop_token_ids)
@@ -227,19 +226,21 @@ class Serving:
             tokens=list(params.prompt),
             max_tokens=self._max_tokens(len(params.prompt), params.max_tokens),
             stop_token_ids=_shared_stop_set(tuple(sorted(stops))),
-            priority=params.priority,
+            priority=self._priority(params),
             sampling=params.sampling,
             stop=text_stop,
             user=params.key_name if params.key_name is not None else params.user,
         )
 
-    def _check_priority(self, params: GenerationParams) -> None:
-        """``--max-priority-for``: a named key may not claim a better priority than its bound."""
-        if params.key_name is None:
-            return
-        best = self.priority_limits.get(params.key_name)
-        if best is not None and params.priority < best:
-            raise InvalidRequestError(
+    def _priority(self, params: GenerationParams) -> int:
+        """The request's priority. ``--max-priority-for``: a named key may not claim a better
+        (lower) priority than its bound (400); the default, 0, becomes the bound."""
+        best = None if params.key_name is None else self.priority_limits.get(params.key_name)
+        if best is None or params.priority >= best:
+            return params.priority
+        if params.priority == 0:
+            return best
+        raise InvalidRequestError(
                 f"priority {params.priority} is better than API key {params.key_name!r} may "
                 f"claim (at best {best}; lower is better)",
                 "priority", "priority_not_allowed",

@@ -286,7 +286,5 @@ class BoundedBypass(RuleBasedStateMachine):
             assert all(s.overtaken <= self.limit for s in seqs)
 
 
-BoundedBypass.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None
-)
+BoundedBypass.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 test_bounded_bypass = BoundedBypass.TestCase
