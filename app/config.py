@@ -75,6 +75,9 @@ class Settings(BaseSettings):
     fair_output_weight: float = Field(
         2.0, ge=0, description="fair: counter increment per output token served"
     )
+    fair_preemption: bool = Field(
+        True, description="fair: preempt the heaviest user's request for a lighter user's"
+    )
     model_name: str = Field("slotserve-mock", description="model id served and reported")
     model: Literal["mock", "cached-mock"] = Field(
         "cached-mock", description="built-in model: stateless mock or per-slot KV-cache mock"

@@ -95,6 +95,7 @@ def policy_config(settings: Settings) -> PolicyConfig:
         mlfq_skip_join_tokens=settings.mlfq_skip_join_tokens,
         fair_prompt_weight=settings.fair_prompt_weight,
         fair_output_weight=settings.fair_output_weight,
+        fair_preemption=settings.fair_preemption,
     )
 
 
@@ -202,7 +203,6 @@ class Serving:
                     "priority": seq.priority,
                     "user": seq.user,
                     "preemptions": seq.num_preemptions,
-                    "overtaken": seq.overtaken,
                     "age_seconds": round(now - seq.times.arrival, 6),
                 }
                 if level is not None:

@@ -16,7 +16,10 @@ the arrival window (``vllm:generation_tokens_total``, scraped at its start and e
 preemptions (``vllm:num_preemptions_total``). A chart per run in docs/.
 
 Run: /work/venv/bin/python benchmarks/policies.py [--seconds 25] [--only mlfq,...]
+     [--step-ms 6] [--long-tokens 2000] [--simulate]
 The machine is shared and noisy: compare runs made together, not absolute numbers.
+``--simulate`` runs the same workloads through the ``Scheduler`` alone, in virtual time (each
+step lasts exactly what the step clock says; no HTTP, no noise), which isolates the policies.
 """
 
 from __future__ import annotations
@@ -181,6 +184,59 @@ async def drive(
         run.preemptions = await metric(client, "vllm:num_preemptions_total")
 
 
+def simulate(run: Run, streams: list[tuple[str, float]], longs: int, scale: Scale) -> None:
+    """The workload through the scheduler alone, in virtual time (see the module docstring)."""
+    from app.engine.policies import PolicyConfig, PolicyName
+    from app.engine.scheduler import Scheduler, SchedulerConfig
+    from app.engine.step import ModelOutput
+    from app.engine.types import Sequence
+
+    config = SchedulerConfig(SLOTS, max_num_batched_tokens=2048,
+                             scheduling=PolicyConfig(PolicyName(run.policy)))  # fmt: skip
+    sched, rng, prompt = Scheduler(config), random.Random(7), [1] * len(PROMPT)
+    arrivals: list[tuple[float, str]] = []
+    for kind, rate in streams:
+        t = rng.expovariate(rate)
+        while t < run.seconds:
+            arrivals.append((t, kind))
+            t += rng.expovariate(rate)
+    arrivals.sort(reverse=True)
+    seqs: dict[str, tuple[Sequence, Result]] = {}
+
+    def add(kind: str, at: float, max_tokens: int, priority: int) -> None:
+        user = None if kind in ("short", "long") else kind
+        seq = Sequence(f"r{len(seqs)}", list(prompt), max_tokens, frozenset(), priority=priority,
+                       user=user)  # fmt: skip
+        seqs[seq.request_id] = (seq, Result(kind, at))
+        sched.add(seq, at)
+
+    for _ in range(longs):
+        add("long", 0.0, scale.long_tokens, 10)
+    now, generated, window_tokens = 0.0, 0, 0
+    while arrivals or sched.has_work():
+        while arrivals and arrivals[-1][0] <= now:
+            at, kind = arrivals.pop()
+            add(kind, at, SHORT_TOKENS, 0)
+        out = sched.schedule(now)
+        if out.empty:
+            now = arrivals[-1][0] if arrivals else now
+            continue
+        now += (scale.step_ms + scale.prefill_ms * out.num_prefill_tokens) / 1000
+        outcome = sched.update(out, ModelOutput([5] * out.num_outputs), now)
+        generated += outcome.num_generated
+        window_tokens = generated if now <= run.seconds else window_tokens
+        run.preemptions += len(out.preempted)
+    for seq, result in seqs.values():
+        assert seq.times.first_token is not None and seq.times.finished is not None
+        result.ttft, result.e2e = (
+            seq.times.first_token - result.sent,
+            seq.times.finished - result.sent,
+        )
+        result.status, result.tokens = 200, seq.num_generated
+        run.results.append(result)
+    run.tokens_per_s = window_tokens / run.seconds
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -217,8 +273,9 @@ def chart(run: Run, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 3.6))
     for kind in sorted({r.kind for r in run.results} - {"long"}):
-        points = [(r.sent, r.ttft * 1000) for r in run.results if r.kind == kind and r.ttft]
-        ax.scatter(*zip(*points, strict=True), s=4, label=f"{kind} requests' TTFT")
+        shown = [r for r in run.results if r.kind == kind and r.ttft is not None]
+        sent, ttft = [r.sent for r in shown], [(r.ttft or 0.0) * 1000 for r in shown]
+        ax.scatter(sent, ttft, s=4, label=f"{kind} requests' TTFT")
     for i, r in enumerate(sorted(x.e2e for x in run.results if x.kind == "long" and x.e2e)):
         ax.axvline(r, color="red", lw=0.8, ls="--", label="a long request ends" if i == 0 else None)
     ax.set_yscale("log")
@@ -251,12 +308,18 @@ def main() -> None:
     parser.add_argument("--server-flag", action="append", default=[], help="extra server flag")
     parser.add_argument("--step-ms", type=float, default=6.0)
     parser.add_argument("--long-tokens", type=int, default=2000)
+    parser.add_argument("--simulate", action="store_true", help="the scheduler alone, virtual time")
     args = parser.parse_args()
     scale = Scale(args.step_ms, args.long_tokens)
     for name in args.only.split(","):
         policy, loads, longs = RUNS[name]
         streams = [(kind, share * scale.capacity) for kind, share in loads]
         run = Run(name, policy, seconds=args.seconds)
+        if args.simulate:
+            simulate(run, streams, longs, scale)
+            print(json.dumps(summary(run) | {"simulated": True}), flush=True)
+            chart(run, args.out / f"policy_sim_{name}.png")
+            continue
         port = free_port()
         server = start_server(port, policy, scale, args.server_flag)
         try:

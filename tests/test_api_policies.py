@@ -79,7 +79,7 @@ async def test_slots_show_priority_user_level_and_preemptions(make_client: Clien
         await until(running)
         (slot,) = [s for s in (await client.get("/slots")).json()["slots"] if s["is_processing"]]
         assert slot["priority"] == 7 and slot["user"] == "alice"
-        assert slot["level"] == 0 and slot["preemptions"] == 0 and slot["overtaken"] == 0
+        assert slot["level"] == 0 and slot["preemptions"] == 0
         await client.delete("/requests/r1")
         await task
 

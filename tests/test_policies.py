@@ -69,7 +69,7 @@ def test_priority_preempts_a_running_request_worse_by_the_threshold() -> None:
     sched.add(seq("close", priority=3), 0.0)  # better than low by 2, than mid by 1
     out = step(sched)
     assert out.preempted == [low] and low.num_preemptions == 1
-    assert low.overtaken == 3  # passed over by mid, preempted, then passed over by close
+    assert low.overtaken == 2  # preempted, then passed over by close (restarted at admission)
     assert running(sched) == ["close", "mid"]
     sched.add(seq("near", priority=3), 0.0)  # only 1 better than mid: waits
     assert step(sched).preempted == []
@@ -129,7 +129,7 @@ def test_mlfq_round_robin_at_the_bottom_level() -> None:
 
 
 def test_fair_admits_the_user_with_the_smallest_counter() -> None:
-    sched = scheduler(PolicyName.FAIR, num_slots=1)
+    sched = scheduler(PolicyName.FAIR, num_slots=1, fair_preemption=False)
     for i in range(3):
         sched.add(seq(f"heavy{i}", max_tokens=2, user="heavy"), 0.0)
     sched.add(seq("light0", max_tokens=2, user="light"), 0.0)
@@ -137,6 +137,30 @@ def test_fair_admits_the_user_with_the_smallest_counter() -> None:
     while sched.has_work():
         admitted += [s.request_id for s in step(sched).admitted]
     assert admitted == ["heavy0", "light0", "heavy1", "heavy2"]
+
+
+def test_fair_preempts_the_heaviest_users_request_for_a_lighter_user() -> None:
+    sched = scheduler(PolicyName.FAIR, num_slots=2)
+    for i in range(4):
+        sched.add(seq(f"heavy{i}", max_tokens=50, user="heavy"), 0.0)
+    step(sched)
+    light = seq("light", max_tokens=2, user="light")
+    sched.add(light, 0.0)  # lifted to heavy's counter, which then grows: light is behind
+    assert step(sched).preempted == []  # equal counters: no preemption
+    out = step(sched)  # heavy has been charged for that step's tokens: light is behind
+    assert [s.request_id for s in out.preempted] == ["heavy1"]  # the most recently admitted
+    assert out.admitted == [light]
+
+
+def test_a_policy_never_preempts_a_request_before_its_first_token() -> None:
+    long_prompt = seq("long", prompt_len=40)
+    sched = Scheduler(SchedulerConfig(1, max_num_batched_tokens=8, scheduling=PolicyConfig(
+        PolicyName.PRIORITY)))  # fmt: skip
+    sched.add(long_prompt, 0.0)
+    step(sched)  # 8 of its 40 prompt tokens
+    sched.add(seq("urgent", priority=-10), 0.0)
+    assert all(step(sched).preempted == [] for _ in range(4))  # prefilled by now
+    assert step(sched).preempted == [long_prompt]
 
 
 def test_fair_lifts_a_returning_users_counter_so_idling_earns_no_credit() -> None:

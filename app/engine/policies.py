@@ -8,10 +8,12 @@ per planned step, only for a policy with ``charges = True``). ``fcfs`` has no po
 scheduler keeps its FIFO fast path, so its behaviour and speed are exactly those without policies.
 
 Bounded bypass, for every policy: a waiting request is *overtaken* when a request standing behind
-it in the queue is admitted before it, or when it is preempted by a policy. A request overtaken
-``max_overtakes`` times is admitted at the next free slot before anything the policy prefers
-(first in queue order among such requests) and is never again preempted by a policy. So no
-request is overtaken more than ``max_overtakes`` times.
+it in the queue is admitted before it (and a policy preemption counts as one). A request
+overtaken ``max_overtakes`` times is admitted at the next free slot before anything the policy
+prefers (first in queue order among such requests); the count restarts at each admission. A
+policy never preempts a request that has not produced a token since its admission (still
+prefilling), so every admission yields at least one token: a request waits at most
+``max_overtakes`` overtakes per admission and needs at most ``max_tokens`` admissions.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class PolicyConfig:
     mlfq_skip_join_tokens: int = 512
     fair_prompt_weight: float = 1.0
     fair_output_weight: float = 2.0
+    fair_preemption: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_overtakes", "preemption_threshold", "mlfq_levels", "mlfq_quantum",
@@ -87,9 +90,9 @@ class Policy:
         return best
 
     def preemptible(self, seq: Sequence) -> bool:
-        """Whether a policy may still take ``seq``'s slot (preemption counts as an overtake, and
-        a request at the bound is never preempted again)."""
-        return seq.overtaken + 1 < self.max_overtakes
+        """Whether a policy may take ``seq``'s slot: not before it produced a token since its
+        admission (a preempted prefill would be wasted, and progress would not be bounded)."""
+        return not seq.prefilling
 
     def victim(self, waiting: Sequence, running: list[Sequence], now: float) -> Sequence | None:
         """The running request to preempt so ``waiting`` (``select``'s choice) gets its slot."""
@@ -214,15 +217,18 @@ class MLFQPolicy(Policy):
 
 
 class FairPolicy(Policy):
-    """Per-user fairness, the Virtual Token Counter (Sheng et al., OSDI'24).
+    """Per-user fairness, the Virtual Token Counter (Sheng et al., OSDI'24), with preemption.
 
     Each user's counter grows by ``fair_prompt_weight`` per prompt token when one of its requests
     is first admitted and ``fair_output_weight`` per token generated for it. Admission takes the
     oldest waiting request of the backlogged user (one with a waiting request) whose counter is
     smallest. A user who becomes backlogged has its counter lifted to the smallest counter of the
     backlogged users (or, if none, to the last admitted user's), so idling earns no credit. Work
-    conserving and not preemptive: a free slot always takes a waiting request. The user is
-    ``Sequence.user`` (None counts as one anonymous user).
+    conserving: a free slot always takes a waiting request. Beyond the paper (whose VTC only
+    orders admissions), when every slot is busy the most recently admitted request of the
+    running user with the largest counter is preempted for a waiting request whose user's
+    counter is smaller (``fair_preemption``), so a light user does not wait for a slot to free.
+    The user is ``Sequence.user`` (None counts as one anonymous user).
     """
 
     charges = True
@@ -235,6 +241,17 @@ class FairPolicy(Policy):
 
     def key(self, seq: Sequence, now: float) -> Key:
         return (self.counters[seq.user],)
+
+    def victim(self, waiting: Sequence, running: list[Sequence], now: float) -> Sequence | None:
+        if not self.config.fair_preemption:
+            return None
+        counters, worst = self.counters, None
+        worst_key: tuple[float, int] = (counters[waiting.user], 1 << 62)
+        for seq in running:
+            key = (counters.get(seq.user, 0.0), seq.admission)
+            if seq.user != waiting.user and key > worst_key and self.preemptible(seq):
+                worst, worst_key = seq, key
+        return worst
 
     def on_queued(self, seq: Sequence, now: float, new: bool) -> None:
         seq.queued_at = now

@@ -311,12 +311,13 @@ class Scheduler:
 
     def _take(self, policy: Policy, seq: Sequence, now: float) -> None:
         """Take ``seq`` out of the queue for admission: every request ahead of it in the queue
-        is overtaken once."""
+        is overtaken once; its own count restarts."""
         for ahead in self.waiting:
             if ahead is seq:
                 break
             ahead.overtaken += 1
         self.waiting.remove(seq.request_id)
+        seq.overtaken = 0  # served: the count restarts
         policy.on_admitted(seq, now, first=seq.times.admitted is None)
 
     def _apply_decodes(self, seqs: list[Sequence], tokens: list[int], outcome: StepOutcome) -> int:
