@@ -51,6 +51,12 @@ class Settings(BaseSettings):
     preemption_threshold: int = Field(
         1, ge=1, description="priority: preempt a running request worse by at least this much"
     )
+    preemption_delay: float = Field(
+        0.0,
+        ge=0,
+        description="priority, mlfq, fair: seconds a request waits before it may "
+        "preempt (0: at once)",
+    )
     max_priority_for: str = Field(
         "",
         description="priority: comma list KEY=LEVEL, the best (lowest) priority the named API "

@@ -89,6 +89,7 @@ def policy_config(settings: Settings) -> PolicyConfig:
         name=PolicyName(settings.policy),
         max_overtakes=settings.max_overtakes,
         preemption_threshold=settings.preemption_threshold,
+        preemption_delay=settings.preemption_delay,
         mlfq_levels=settings.mlfq_levels,
         mlfq_quantum=settings.mlfq_quantum,
         mlfq_aging_seconds=settings.mlfq_aging_seconds,

@@ -184,15 +184,21 @@ async def drive(
         run.preemptions = await metric(client, "vllm:num_preemptions_total")
 
 
-def simulate(run: Run, streams: list[tuple[str, float]], longs: int, scale: Scale) -> None:
+def simulate(
+    run: Run,
+    streams: list[tuple[str, float]],
+    longs: int,
+    scale: Scale,
+    preemption_delay: float = 0.0,
+) -> None:
     """The workload through the scheduler alone, in virtual time (see the module docstring)."""
     from app.engine.policies import PolicyConfig, PolicyName
     from app.engine.scheduler import Scheduler, SchedulerConfig
     from app.engine.step import ModelOutput
     from app.engine.types import Sequence
 
-    config = SchedulerConfig(SLOTS, max_num_batched_tokens=2048,
-                             scheduling=PolicyConfig(PolicyName(run.policy)))  # fmt: skip
+    policy = PolicyConfig(PolicyName(run.policy), preemption_delay=preemption_delay)
+    config = SchedulerConfig(SLOTS, max_num_batched_tokens=2048, scheduling=policy)
     sched, rng, prompt = Scheduler(config), random.Random(7), [1] * len(PROMPT)
     arrivals: list[tuple[float, str]] = []
     for kind, rate in streams:
@@ -309,6 +315,7 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=6.0)
     parser.add_argument("--long-tokens", type=int, default=2000)
     parser.add_argument("--simulate", action="store_true", help="the scheduler alone, virtual time")
+    parser.add_argument("--preemption-delay", type=float, default=0.0, help="policy flag")
     args = parser.parse_args()
     scale = Scale(args.step_ms, args.long_tokens)
     for name in args.only.split(","):
@@ -316,12 +323,14 @@ def main() -> None:
         streams = [(kind, share * scale.capacity) for kind, share in loads]
         run = Run(name, policy, seconds=args.seconds)
         if args.simulate:
-            simulate(run, streams, longs, scale)
+            simulate(run, streams, longs, scale, args.preemption_delay)
             print(json.dumps(summary(run) | {"simulated": True}), flush=True)
-            chart(run, args.out / f"policy_sim_{name}.png")
+            suffix = f"_delay{args.preemption_delay:g}" if args.preemption_delay else ""
+            chart(run, args.out / f"policy_sim_{name}{suffix}.png")
             continue
         port = free_port()
-        server = start_server(port, policy, scale, args.server_flag)
+        extra = [*args.server_flag, "--preemption-delay", str(args.preemption_delay)]
+        server = start_server(port, policy, scale, extra)
         try:
             asyncio.run(drive(run, port, streams, longs, scale.long_tokens))
         finally:

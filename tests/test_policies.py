@@ -75,6 +75,15 @@ def test_priority_preempts_a_running_request_worse_by_the_threshold() -> None:
     assert step(sched).preempted == []
 
 
+def test_preemption_delay_lets_a_request_wait_that_long_for_a_free_slot() -> None:
+    sched = scheduler(PolicyName.PRIORITY, num_slots=1, preemption_delay=0.5)
+    sched.add(seq("low", max_tokens=50, priority=5), 0.0)
+    step(sched, now=0.0)
+    sched.add(seq("high", priority=0), 1.0)
+    assert step(sched, now=1.4).preempted == []
+    assert [s.request_id for s in step(sched, now=1.5).preempted] == ["low"]
+
+
 def test_priority_never_preempts_for_an_equal_priority() -> None:
     sched = scheduler(PolicyName.PRIORITY, num_slots=1)
     sched.add(seq("a"), 0.0)

@@ -43,6 +43,7 @@ class PolicyConfig:
     name: PolicyName = PolicyName.FCFS
     max_overtakes: int = 256
     preemption_threshold: int = 1
+    preemption_delay: float = 0.0  # seconds a request waits before it may cause a preemption
     mlfq_levels: int = 4
     mlfq_quantum: int = 16
     mlfq_aging_seconds: float = 2.0
@@ -52,6 +53,8 @@ class PolicyConfig:
     fair_preemption: bool = True
 
     def __post_init__(self) -> None:
+        if self.preemption_delay < 0:
+            raise ValueError(f"preemption_delay must be >= 0, got {self.preemption_delay}")
         for name in ("max_overtakes", "preemption_threshold", "mlfq_levels", "mlfq_quantum",
                      "mlfq_skip_join_tokens"):  # fmt: skip
             if getattr(self, name) < 1:

@@ -249,10 +249,13 @@ class Scheduler:
 
     def _preempt_for_waiting(self, policy: Policy, now: float) -> None:
         """Every slot is busy and a request waits: preempt the running request the policy
-        names for it, if any (one per step; the waiting request takes its slot in this step)."""
+        names for it, if any (one per step; the waiting request takes its slot in this step),
+        once it has waited ``preemption_delay`` seconds."""
         if self.policy is BatchingPolicy.STATIC:
             return
         candidate = policy.select(self.waiting, now)
+        if now - candidate.queued_at < policy.config.preemption_delay:
+            return  # it may still get a slot that frees on its own
         victim = policy.victim(candidate, self.slots.running(), now)
         if victim is not None:
             victim.overtaken += 1
