@@ -318,6 +318,7 @@ def main() -> None:
     parser.add_argument("--preemption-delay", type=float, default=0.0, help="policy flag")
     args = parser.parse_args()
     scale = Scale(args.step_ms, args.long_tokens)
+    suffix = f"_delay{args.preemption_delay:g}" if args.preemption_delay else ""
     for name in args.only.split(","):
         policy, loads, longs = RUNS[name]
         streams = [(kind, share * scale.capacity) for kind, share in loads]
@@ -325,7 +326,6 @@ def main() -> None:
         if args.simulate:
             simulate(run, streams, longs, scale, args.preemption_delay)
             print(json.dumps(summary(run) | {"simulated": True}), flush=True)
-            suffix = f"_delay{args.preemption_delay:g}" if args.preemption_delay else ""
             chart(run, args.out / f"policy_sim_{name}{suffix}.png")
             continue
         port = free_port()
@@ -337,7 +337,7 @@ def main() -> None:
             server.terminate()
             server.wait(30)
         print(json.dumps(summary(run)), flush=True)
-        chart(run, args.out / f"policy_{name}.png")
+        chart(run, args.out / f"policy_{name}{suffix}.png")
 
 
 if __name__ == "__main__":
