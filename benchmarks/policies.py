@@ -16,7 +16,7 @@ the arrival window (``vllm:generation_tokens_total``, scraped at its start and e
 preemptions (``vllm:num_preemptions_total``). A chart per run in docs/.
 
 Run: /work/venv/bin/python benchmarks/policies.py [--seconds 25] [--only mlfq,...]
-     [--step-ms 6] [--long-tokens 2000] [--simulate]
+     [--step-ms 6] [--long-tokens 2000] [--simulate] [--preemption-delay S] [--overhead]
 The machine is shared and noisy: compare runs made together, not absolute numbers.
 ``--simulate`` runs the same workloads through the ``Scheduler`` alone, in virtual time (each
 step lasts exactly what the step clock says; no HTTP, no noise), which isolates the policies.
@@ -31,6 +31,7 @@ import os
 import random
 import re
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -243,6 +244,49 @@ def simulate(
     run.tokens_per_s = window_tokens / run.seconds
 
 
+def overhead_us(policy: str, slots: int, waiting: int, steps: int = 200) -> float:
+    """Scheduler cost per step (schedule + update, microseconds) with every slot busy decoding
+    and ``waiting`` requests queued (mixed priorities and users): each step the policy chooses
+    the waiting request it would preempt for (a scan of the queue); the preemption delay is set
+    so that none happens, to measure the choice alone."""
+    from app.engine.policies import PolicyConfig, PolicyName
+    from app.engine.scheduler import Scheduler, SchedulerConfig
+    from app.engine.step import ModelOutput
+    from app.engine.types import Sequence
+
+    never = PolicyConfig(PolicyName(policy), preemption_delay=1e9)  # choose, never preempt
+    config = SchedulerConfig(slots, max_num_batched_tokens=max(2048, slots), scheduling=never)
+    sched = Scheduler(config)
+    for i in range(slots + waiting):
+        running = i < slots
+        seq = Sequence(f"r{i}", [1] * 16, 10**6, frozenset(), priority=-5 if running else i % 7,
+                       user=f"u{i % 4}")  # fmt: skip
+        sched.add(seq, 0.0)
+        if running:  # admitted before the others arrive
+            out = sched.schedule(0.0)
+            sched.update(out, ModelOutput([5] * out.num_outputs), 0.0)
+    for _ in range(3):  # every admitted request decoding
+        out = sched.schedule(0.0)
+        sched.update(out, ModelOutput([5] * out.num_outputs), 0.0)
+    start = time.perf_counter()
+    for _ in range(steps):
+        out = sched.schedule(0.0)
+        sched.update(out, ModelOutput([5] * out.num_outputs), 0.0)
+    return (time.perf_counter() - start) / steps * 1e6
+
+
+def report_overhead() -> None:
+    print("scheduler cost per step (us, median of 5), every slot decoding, requests waiting")
+    print(f"{'slots':>6} {'waiting':>8}" + "".join(f"{p:>10}" for p in POLICY_NAMES))
+    for slots, waiting in ((8, 0), (8, 64), (8, 1024), (256, 0), (256, 64), (256, 1024)):
+        row = [statistics.median(overhead_us(p, slots, waiting) for _ in range(5))
+               for p in POLICY_NAMES]  # fmt: skip
+        print(f"{slots:>6} {waiting:>8}" + "".join(f"{v:>10.1f}" for v in row), flush=True)
+
+
+POLICY_NAMES = ("fcfs", "priority", "mlfq", "fair")
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -316,7 +360,11 @@ def main() -> None:
     parser.add_argument("--long-tokens", type=int, default=2000)
     parser.add_argument("--simulate", action="store_true", help="the scheduler alone, virtual time")
     parser.add_argument("--preemption-delay", type=float, default=0.0, help="policy flag")
+    parser.add_argument("--overhead", action="store_true", help="scheduler cost per step only")
     args = parser.parse_args()
+    if args.overhead:
+        report_overhead()
+        return
     scale = Scale(args.step_ms, args.long_tokens)
     suffix = f"_delay{args.preemption_delay:g}" if args.preemption_delay else ""
     for name in args.only.split(","):

@@ -19,14 +19,15 @@ prefilling), so every admission yields at least one token: a request waits at mo
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
+from operator import attrgetter
 
 from app.engine.step import SchedulerOutput
 from app.engine.types import RequestStatus, Sequence
 
-Key = tuple[float, ...]
+SortKey = Callable[[Sequence], float]
 
 
 class PolicyName(StrEnum):
@@ -65,8 +66,9 @@ FCFS = PolicyConfig()  # the default: no policy object
 
 
 class Policy:
-    """The interface and the bounded bypass every policy shares. A subclass gives ``key`` (lower
-    is admitted first; ties go to the earlier request in queue order) and may give ``victim``."""
+    """The interface and the bounded bypass every policy shares. A subclass gives ``sort_key``
+    (lower is admitted first; ties go to the earlier request in queue order) and may give
+    ``victim``."""
 
     requeue_front = True  # a preempted request goes back to the front of the queue
     charges = False  # whether ``charge`` must be called every step
@@ -74,23 +76,29 @@ class Policy:
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config
         self.max_overtakes = config.max_overtakes
+        self.starving = 0  # requests that reached the bound (an upper bound: some may be gone)
 
-    def key(self, seq: Sequence, now: float) -> Key:
+    def sort_key(self, now: float) -> SortKey:
+        """The admission order at ``now``: a function of a waiting request, lower first."""
         raise NotImplementedError
 
     def select(self, queue: Iterable[Sequence], now: float) -> Sequence:
-        """The waiting request to admit next (``queue`` is non-empty, in queue order)."""
-        limit = self.max_overtakes
-        best: Sequence | None = None
-        best_key: Key = ()
-        for seq in queue:
-            if seq.overtaken >= limit:
-                return seq  # bounded bypass: served next
-            key = self.key(seq, now)
-            if best is None or key < best_key:
-                best, best_key = seq, key
-        assert best is not None, "select() on an empty queue"
-        return best
+        """The waiting request to admit next (``queue`` is non-empty, in queue order): the
+        first one at the bypass bound, else the policy's first (``min`` keeps the earlier of
+        equals). One C-level pass over the queue unless a request may be at the bound."""
+        if self.starving:
+            limit = self.max_overtakes
+            for seq in queue:
+                if seq.overtaken >= limit:
+                    return seq  # bounded bypass: served next
+            self.starving = 0  # they have all left the queue
+        return min(queue, key=self.sort_key(now))
+
+    def overtake(self, seq: Sequence) -> None:
+        """``seq`` was passed over (or preempted) once more."""
+        seq.overtaken += 1
+        if seq.overtaken == self.max_overtakes:
+            self.starving += 1
 
     def preemptible(self, seq: Sequence) -> bool:
         """Whether a policy may take ``seq``'s slot: not before it produced a token since its
@@ -127,8 +135,8 @@ class PriorityPolicy(Policy):
     busy, the running request with the worst priority (the most recently admitted among equals)
     is preempted if it is worse than the waiting one by at least ``preemption_threshold``."""
 
-    def key(self, seq: Sequence, now: float) -> Key:
-        return (seq.priority,)
+    def sort_key(self, now: float) -> SortKey:
+        return _PRIORITY
 
     def victim(self, waiting: Sequence, running: list[Sequence], now: float) -> Sequence | None:
         worst: Sequence | None = None
@@ -186,8 +194,16 @@ class MLFQPolicy(Policy):
             level += 1
         return level, False
 
-    def key(self, seq: Sequence, now: float) -> Key:
-        return (self.waiting_level(seq, now),)
+    def sort_key(self, now: float) -> SortKey:
+        aging = self.config.mlfq_aging_seconds
+        if aging <= 0:
+            return _LEVEL
+        recent = now - aging  # queued after this: not lifted yet (the common case)
+        return lambda seq: (
+            seq.level
+            if seq.queued_at > recent
+            else max(0, seq.level - int((now - seq.queued_at) / aging))
+        )
 
     def victim(self, waiting: Sequence, running: list[Sequence], now: float) -> Sequence | None:
         target = self.waiting_level(waiting, now)
@@ -242,8 +258,9 @@ class FairPolicy(Policy):
         self.backlog: Counter[str | None] = Counter()  # waiting requests per user
         self._last = 0.0
 
-    def key(self, seq: Sequence, now: float) -> Key:
-        return (self.counters[seq.user],)
+    def sort_key(self, now: float) -> SortKey:
+        counters = self.counters
+        return lambda seq: counters[seq.user]
 
     def victim(self, waiting: Sequence, running: list[Sequence], now: float) -> Sequence | None:
         if not self.config.fair_preemption:
@@ -288,6 +305,10 @@ class FairPolicy(Policy):
         for seq, chunk in zip(out.prefill_seqs, out.prefills, strict=True):
             if chunk.sample:
                 counters[seq.user] += weight
+
+
+_PRIORITY: SortKey = attrgetter("priority")
+_LEVEL: SortKey = attrgetter("level")
 
 
 def make_policy(config: PolicyConfig) -> Policy | None:

@@ -258,7 +258,7 @@ class Scheduler:
             return  # it may still get a slot that frees on its own
         victim = policy.victim(candidate, self.slots.running(), now)
         if victim is not None:
-            victim.overtaken += 1
+            policy.overtake(victim)
             self.preempt(victim, now)
 
     def _preempt_youngest_prefill(self, now: float) -> None:
@@ -318,7 +318,7 @@ class Scheduler:
         for ahead in self.waiting:
             if ahead is seq:
                 break
-            ahead.overtaken += 1
+            policy.overtake(ahead)
         self.waiting.remove(seq.request_id)
         seq.overtaken = 0  # served: the count restarts
         policy.on_admitted(seq, now, first=seq.times.admitted is None)
