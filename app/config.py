@@ -43,6 +43,47 @@ class Settings(BaseSettings):
     batching: Literal["continuous", "static"] = Field(
         "continuous", description="admission policy (static: only into an empty batch)"
     )
+    policy: Literal["fcfs", "priority", "mlfq", "fair"] = Field(
+        "fcfs",
+        description="scheduling policy: fcfs, priority (lower first, preemptive), mlfq "
+        "(skip-join time slicing) or fair (per-user virtual token counter)",
+    )
+    preemption_threshold: int = Field(
+        1, ge=1, description="priority: preempt a running request worse by at least this much"
+    )
+    preemption_delay: float = Field(
+        0.0,
+        ge=0,
+        description="priority, mlfq, fair: seconds a request waits before it may "
+        "preempt (0: at once)",
+    )
+    max_priority_for: str = Field(
+        "",
+        description="priority: comma list KEY=LEVEL, the best (lowest) priority the named API "
+        "key KEY may claim",
+    )
+    max_overtakes: int = Field(
+        256, ge=1, description="any policy: a request overtaken this often is served next"
+    )
+    mlfq_levels: int = Field(4, ge=1, le=32, description="mlfq: number of levels")
+    mlfq_quantum: int = Field(
+        16, ge=1, description="mlfq: decode steps of the top level's quantum (x2 per level)"
+    )
+    mlfq_aging_seconds: float = Field(
+        2.0, ge=0, description="mlfq: a waiting request rises one level per this wait (0: off)"
+    )
+    mlfq_skip_join_tokens: int = Field(
+        512, ge=1, description="mlfq: longest prompt joining the top level (x2 per level down)"
+    )
+    fair_prompt_weight: float = Field(
+        1.0, ge=0, description="fair: counter increment per prompt token served"
+    )
+    fair_output_weight: float = Field(
+        2.0, ge=0, description="fair: counter increment per output token served"
+    )
+    fair_preemption: bool = Field(
+        True, description="fair: preempt the heaviest user's request for a lighter user's"
+    )
     model_name: str = Field("slotserve-mock", description="model id served and reported")
     model: Literal["mock", "cached-mock"] = Field(
         "cached-mock", description="built-in model: stateless mock or per-slot KV-cache mock"
@@ -90,6 +131,16 @@ class Settings(BaseSettings):
             )
         return ",".join(dict.fromkeys(names))
 
+    @field_validator("max_priority_for")
+    @classmethod
+    def _priority_limits_parse(cls, value: str) -> str:
+        priority_limits(value)
+        return value
+
+    def priority_limits(self) -> dict[str, int]:
+        """``--max-priority-for`` as {key name: best priority it may claim}."""
+        return priority_limits(self.max_priority_for)
+
     @model_validator(mode="after")
     def _kv_cache_holds_a_block(self) -> Self:
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
@@ -107,3 +158,18 @@ class Settings(BaseSettings):
                 f"--num-slots ({self.num_slots}) so every running request decodes every step"
             )
         return self
+
+
+def priority_limits(value: str) -> dict[str, int]:
+    """Parse ``KEY=LEVEL,KEY=LEVEL`` (LEVEL an integer in [-1000, 1000]); ValueError if bad."""
+    limits: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        name, sep, level = item.partition("=")
+        try:
+            best = int(level)
+        except ValueError:
+            best = None
+        if not sep or not name.strip() or best is None or not -1000 <= best <= 1000:
+            raise ValueError(f"{item!r} is not KEY=LEVEL with LEVEL an integer in [-1000, 1000]")
+        limits[name.strip()] = best
+    return limits

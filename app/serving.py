@@ -17,6 +17,7 @@ from app.engine.errors import (
     EngineError,
     QueueFullError,
 )
+from app.engine.policies import PolicyConfig, PolicyName
 from app.engine.scheduler import BatchingPolicy
 from app.engine.step_clock import StepCosts
 from app.engine.stop_strings import StopStrings
@@ -51,7 +52,11 @@ class GenerationParams:
     request_id: str | None = None
     priority: int = 0
     sampling: SamplingParams = DEFAULT_SAMPLING
-    user: str | None = None
+    user: str | None = None  # the request's own user field
+    # The named API key the request authenticated with (None: no named keys). When set, it is
+    # the request's user for --policy fair (a client cannot override it) and
+    # --max-priority-for bounds its priority.
+    key_name: str | None = None
 
 
 REJECTION_REASONS: dict[type[EngineError], str] = {
@@ -84,6 +89,23 @@ def default_kv_cache_tokens(settings: Settings) -> int:
     return settings.num_slots * blocks_per_slot * settings.block_size
 
 
+def policy_config(settings: Settings) -> PolicyConfig:
+    """The scheduling policy and its knobs from the settings."""
+    return PolicyConfig(
+        name=PolicyName(settings.policy),
+        max_overtakes=settings.max_overtakes,
+        preemption_threshold=settings.preemption_threshold,
+        preemption_delay=settings.preemption_delay,
+        mlfq_levels=settings.mlfq_levels,
+        mlfq_quantum=settings.mlfq_quantum,
+        mlfq_aging_seconds=settings.mlfq_aging_seconds,
+        mlfq_skip_join_tokens=settings.mlfq_skip_join_tokens,
+        fair_prompt_weight=settings.fair_prompt_weight,
+        fair_output_weight=settings.fair_output_weight,
+        fair_preemption=settings.fair_preemption,
+    )
+
+
 def engine_config(settings: Settings) -> EngineConfig:
     """The engine's limits and step clock from the settings."""
     costs = StepCosts(
@@ -101,6 +123,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         block_size=settings.block_size,
         kv_cache_tokens=settings.kv_cache_tokens or default_kv_cache_tokens(settings),
         max_model_len=settings.max_model_len,
+        scheduling=policy_config(settings),
         step_costs=costs,
         seed=settings.seed,
     )
@@ -117,6 +140,12 @@ class Serving:
         self.engine = Engine(self.model, engine_config(settings), observer=self.metrics)
         self.metrics.bind(self.engine.core)
         self.started_at = time.time()
+        self.priority_limits = settings.priority_limits()
+
+    def priority_ignored(self, priority: int) -> bool:
+        """Whether a request's ``priority`` has no effect here (a non-default priority under a
+        policy other than ``priority``): the API reports it in a response header."""
+        return priority != 0 and self.settings.policy != "priority"
 
     @property
     def eos_token_id(self) -> int:
@@ -171,7 +200,8 @@ class Serving:
 
     def slots(self) -> list[dict[str, object]]:
         """The slot table now, one entry per slot (like llama.cpp's ``/slots``)."""
-        table, now = self.engine.core.scheduler.slots, time.monotonic()
+        scheduler, now = self.engine.core.scheduler, time.monotonic()
+        table, scheduling = scheduler.slots, scheduler.scheduling
         out_of_service = table.out_of_service
         out: list[dict[str, object]] = []
         for index in range(table.capacity):
@@ -180,6 +210,7 @@ class Serving:
             if index in out_of_service:
                 entry["out_of_service"] = True
             if seq is not None:
+                level = scheduling.level(seq) if scheduling is not None else None
                 entry |= {
                     "request_id": seq.request_id,
                     "prompt_tokens": seq.prompt_len,
@@ -189,9 +220,12 @@ class Serving:
                     "n_computed": seq.num_computed_tokens,
                     "prefilling": seq.prefilling,
                     "priority": seq.priority,
+                    "user": seq.user,
                     "preemptions": seq.num_preemptions,
                     "age_seconds": round(now - seq.times.arrival, 6),
                 }
+                if level is not None:
+                    entry["level"] = level
             out.append(entry)
         return out
 
@@ -211,11 +245,25 @@ class Serving:
             tokens=list(params.prompt),
             max_tokens=self._max_tokens(len(params.prompt), params.max_tokens),
             stop_token_ids=_shared_stop_set(tuple(sorted(stops))),
-            priority=params.priority,
+            priority=self._priority(params),
             sampling=params.sampling,
             stop=text_stop,
-            user=params.user,
+            user=params.key_name if params.key_name is not None else params.user,
         )
+
+    def _priority(self, params: GenerationParams) -> int:
+        """The request's priority. ``--max-priority-for``: a named key may not claim a better
+        (lower) priority than its bound (400); the default, 0, becomes the bound."""
+        best = None if params.key_name is None else self.priority_limits.get(params.key_name)
+        if best is None or params.priority >= best:
+            return params.priority
+        if params.priority == 0:
+            return best
+        raise InvalidRequestError(
+                f"priority {params.priority} is better than API key {params.key_name!r} may "
+                f"claim (at best {best}; lower is better)",
+                "priority", "priority_not_allowed",
+            )  # fmt: skip
 
     def _check_vocabulary(self, ids: list[int], param: str) -> None:
         vocab = self.tokenizer.vocab_size

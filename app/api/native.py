@@ -47,11 +47,25 @@ async def generate(body: GenerateRequest, request: Request, serving: ServingDep)
     )
     stream = faults.submit(request, serving, params, streaming=body.stream)
     if body.stream:
-        return sse_response(native_events(stream, serving), stream, serving)
+        response: Response = sse_response(native_events(stream, serving), stream, serving)
+        return flag_ignored_priority(response, serving, body.priority)
     await until_disconnected(request, stream.collect(), lambda: serving.abort(stream.request_id))
     if stream.seq.finish_reason is FinishReason.ERROR:
-        return JSONResponse(error_payload(stream), status_code=500)
-    return JSONResponse(done_payload(stream, serving))
+        response = JSONResponse(error_payload(stream), status_code=500)
+    else:
+        response = JSONResponse(done_payload(stream, serving))
+    return flag_ignored_priority(response, serving, body.priority)
+
+
+PRIORITY_IGNORED = "x-slotserve-priority-ignored"
+
+
+def flag_ignored_priority(response: Response, serving: Serving, priority: int) -> Response:
+    """Mark a response whose request asked for a priority the policy ignores (any policy but
+    ``priority``), so the priority is not silently dropped."""
+    if serving.priority_ignored(priority):
+        response.headers[PRIORITY_IGNORED] = "1"
+    return response
 
 
 @router.delete("/requests/{request_id}", responses={404: {"description": "unknown request"}})

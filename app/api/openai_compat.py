@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from app.api import faults
 from app.api.deps import Authorized, ServingDep
 from app.api.errors import APIError, error_body, model_failed_message, model_not_found
-from app.api.native import ERROR_RESPONSES
+from app.api.native import ERROR_RESPONSES, flag_ignored_priority
 from app.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIParams
 from app.api.streaming import sse_event, sse_response, until_disconnected
 from app.engine.stop_strings import StopStringMatcher
@@ -44,7 +44,8 @@ async def completions(body: CompletionRequest, request: Request, serving: Servin
     max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
     run = _start(request, serving, body, ids, max_tokens, "cmpl")
     shape = CompletionShape(run.id, serving.settings.model_name)
-    return await _respond(run, body, request, serving, shape)
+    response = await _respond(run, body, request, serving, shape)
+    return flag_ignored_priority(response, serving, body.priority)
 
 
 @router.post("/chat/completions", responses=ERROR_RESPONSES)
@@ -58,7 +59,8 @@ async def chat_completions(
     )
     run = _start(request, serving, body, ids, max_tokens, "chatcmpl")
     shape = ChatShape(run.id, serving.settings.model_name)
-    return await _respond(run, body, request, serving, shape)
+    response = await _respond(run, body, request, serving, shape)
+    return flag_ignored_priority(response, serving, body.priority)
 
 
 def completion_prompt_ids(body: CompletionRequest, serving: Serving) -> list[int]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from app.engine.errors import DuplicateRequestError, QueueFullError
+from app.engine.policies import FCFS, PolicyConfig
 from app.engine.runner import ModelRunner
 from app.engine.scheduler import BatchingPolicy, Scheduler, SchedulerConfig
 from app.engine.step import ModelOutput, SchedulerOutput, StepOutcome
@@ -35,6 +36,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_tokens: int | None = None
     max_model_len: int | None = None
+    scheduling: PolicyConfig = FCFS  # the scheduling policy (app/engine/policies.py)
     step_costs: StepCosts = NO_STEP_TIME  # the simulated step time (zero: none)
     seed: int = 0  # the step clock's jitter
     # Run each model call in a worker thread, unless the model declares ``blocking = False``
@@ -50,6 +52,7 @@ class EngineConfig:
             block_size=self.block_size,
             kv_cache_tokens=self.kv_cache_tokens,
             max_model_len=self.max_model_len,
+            scheduling=self.scheduling,
         )
 
 

@@ -11,6 +11,10 @@ order: one token for every decoding request, then prompt chunks of requests stil
 (oldest admission first), then new admissions from the waiting queue into free slots, so a slot
 freed by the previous step, or by an abort, is reused before the next model call and a long
 prompt is prefilled over several steps while everyone else keeps decoding.
+
+Which waiting request is admitted, and whether a running one is preempted for it, is the
+scheduling policy's choice (``app/engine/policies.py``); under ``fcfs`` (no policy object) the
+queue is served in order and nothing is preempted but for the KV cache.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from app.engine.kv_books import KVBooks
+from app.engine.policies import FCFS, Policy, PolicyConfig, make_policy
 from app.engine.slots import SlotTable
 from app.engine.step import ModelOutput, SchedulerOutput, StepOutcome
 from app.engine.types import FinishReason, RequestStatus, Sequence
@@ -45,7 +50,7 @@ class SchedulerConfig:
     budget). ``kv_cache_tokens``: KV capacity in tokens, rounded down to whole blocks of
     ``block_size`` (None: it never binds). ``max_model_len``: the longest a request can get
     (the API enforces it); a capacity of ``num_slots * max_model_len`` or more never binds
-    either, so the scheduler skips the block arithmetic.
+    either, so the scheduler skips the block arithmetic. ``scheduling``: the scheduling policy.
     """
 
     num_slots: int
@@ -55,6 +60,7 @@ class SchedulerConfig:
     block_size: int = 16
     kv_cache_tokens: int | None = None
     max_model_len: int | None = None
+    scheduling: PolicyConfig = FCFS
 
     @property
     def kv_binds(self) -> bool:
@@ -97,6 +103,7 @@ class Scheduler:
         self._preempted: list[Sequence] = []
         self._free_blocks = UNBOUNDED  # while planning a step: blocks not yet handed out
         self._admissions = 0
+        self.scheduling: Policy | None = make_policy(config.scheduling)
 
     @property
     def num_slots(self) -> int:
@@ -115,17 +122,19 @@ class Scheduler:
         """Queue ``seq``. Returns True if it finished at once: ``max_tokens == 0`` (never run,
         ``length``) or too long for the whole KV cache (``error``)."""
         if seq.max_tokens <= 0:
-            self._finish(seq, FinishReason.LENGTH, now)
+            self._close(seq, FinishReason.LENGTH, now)
             return True
         if self.config.kv_binds and not self.books.fits_ever(seq.token_limit - 1):
             seq.error = ValueError(
                 f"request {seq.request_id!r} needs up to {seq.token_limit - 1} tokens of KV "
                 f"cache; the cache holds {self.books.capacity_tokens}"
             )
-            self._finish(seq, FinishReason.ERROR, now)
+            self._close(seq, FinishReason.ERROR, now)
             return True
         seq.status = RequestStatus.WAITING
         self.waiting.push(seq)
+        if self.scheduling is not None:
+            self.scheduling.on_queued(seq, now, new=True)
         return False
 
     def abort(
@@ -164,7 +173,9 @@ class Scheduler:
         goes on where it stopped: its stream sees no token twice and none missing."""
         if seq.status is not RequestStatus.RUNNING:
             raise ValueError(f"request {seq.request_id!r} is not running")
-        self._requeue(seq, RequestStatus.PREEMPTED)
+        if self.scheduling is not None:
+            self.scheduling.on_preempted(seq, now)
+        self._requeue(seq, RequestStatus.PREEMPTED, now)
         seq.num_preemptions += 1
         self._preempted.append(seq)
 
@@ -172,7 +183,11 @@ class Scheduler:
 
     def schedule(self, now: float) -> SchedulerOutput:
         """Plan the next step within the token budget and the KV capacity (see the module
-        docstring for the order)."""
+        docstring for the order). A policy may first preempt one running request for a waiting
+        one, when every slot is busy."""
+        policy = self.scheduling
+        if policy is not None and self.waiting and not self.slots.num_free:
+            self._preempt_for_waiting(policy, now)
         decoding = self._decodes_that_fit(now)
         out = SchedulerOutput(decoding, started_at=now)
         budget = self._budget - len(decoding)
@@ -184,6 +199,8 @@ class Scheduler:
             for seq in self._prefilling:
                 budget -= self._chunk(out, seq, budget)
         out.preempted, self._preempted = self._preempted, []
+        if policy is not None and policy.charges:
+            policy.charge(out)
         if not out.empty:  # an empty output is never run: keep its releases for the next one
             out.released, self._released = self._released, []
         return out
@@ -245,6 +262,20 @@ class Scheduler:
             self.preempt(max(self.slots.running(), key=lambda s: s.admission), now)
             decoding = self._decoding_now()
 
+    def _preempt_for_waiting(self, policy: Policy, now: float) -> None:
+        """Every slot is busy and a request waits: preempt the running request the policy
+        names for it, if any (one per step; the waiting request takes its slot in this step),
+        once it has waited ``preemption_delay`` seconds."""
+        if self.policy is BatchingPolicy.STATIC:
+            return
+        candidate = policy.select(self.waiting, now)
+        if now - candidate.queued_at < policy.config.preemption_delay:
+            return  # it may still get a slot that frees on its own
+        victim = policy.victim(candidate, self.slots.running(), now)
+        if victim is not None:
+            policy.overtake(victim)
+            self.preempt(victim, now)
+
     def _preempt_youngest_prefill(self, now: float) -> None:
         """Running requests are all prefilling and none has the blocks for its next chunk:
         give the most recently admitted one's blocks to the others."""
@@ -275,11 +306,15 @@ class Scheduler:
         if static and self.slots.occupied:
             return budget
         # Static batching fills every slot at once (later steps prefill what the budget left).
+        policy = self.scheduling
         while (budget > 0 or static) and self.waiting and self.slots.num_free:
-            seq = self.waiting.peek()
+            seq = self.waiting.peek() if policy is None else policy.select(self.waiting, now)
             if not self.books.room(0, self._free_blocks):
                 break  # the cache is full: it waits (first come, first served)
-            self.waiting.pop()
+            if policy is None:
+                self.waiting.pop()
+            else:
+                self._take(policy, seq, now)
             self.slots.allocate(seq)
             seq.status = RequestStatus.RUNNING
             seq.prefilled, seq.prefill_target = 0, len(seq.tokens)
@@ -293,6 +328,17 @@ class Scheduler:
             self._prefilling.append(seq)
             budget -= self._chunk(out, seq, budget)
         return budget
+
+    def _take(self, policy: Policy, seq: Sequence, now: float) -> None:
+        """Take ``seq`` out of the queue for admission: every request ahead of it in the queue
+        is overtaken once; its own count restarts."""
+        for ahead in self.waiting:
+            if ahead is seq:
+                break
+            policy.overtake(ahead)
+        self.waiting.remove(seq.request_id)
+        seq.overtaken = 0  # served: the count restarts
+        policy.on_admitted(seq, now, first=seq.times.admitted is None)
 
     def _apply_decodes(self, seqs: list[Sequence], tokens: list[int], outcome: StepOutcome) -> int:
         """The hot path: one token for each decoding request. Returns the tokens applied."""
@@ -320,7 +366,7 @@ class Scheduler:
             if not result.ran(chunk):  # its slot could not be reset: back to the queue
                 if seq.status is RequestStatus.RUNNING:  # (not counted as a preemption)
                     was = RequestStatus.PREEMPTED if seq.num_preemptions else RequestStatus.WAITING
-                    self._requeue(seq, was)
+                    self._requeue(seq, was, now)
                 continue
             token = tokens[index] if chunk.sample else None
             index += chunk.sample
@@ -369,17 +415,29 @@ class Scheduler:
         return seqs
 
     def _finish(self, seq: Sequence, reason: FinishReason, now: float) -> None:
+        if self.scheduling is not None:
+            self.scheduling.on_finished(seq)
         if seq.status is RequestStatus.RUNNING:
             self._leave_slot(seq)
+        self._close(seq, reason, now)
+
+    def _close(self, seq: Sequence, reason: FinishReason, now: float) -> None:
         seq.status = RequestStatus.FINISHED
         seq.finish_reason = reason
         seq.times.finished = now
 
-    def _requeue(self, seq: Sequence, status: RequestStatus) -> None:
-        """Back to the front of the queue, to be recomputed from position 0."""
+    def _requeue(self, seq: Sequence, status: RequestStatus, now: float) -> None:
+        """Back to the queue (its front, unless the policy says its back), to be recomputed
+        from position 0."""
         self._leave_slot(seq)
         seq.status = status
-        self.waiting.push_front(seq)
+        policy = self.scheduling
+        if policy is None or policy.requeue_front:
+            self.waiting.push_front(seq)
+        else:
+            self.waiting.push(seq)
+        if policy is not None:
+            policy.on_queued(seq, now, new=False)
 
     def _leave_slot(self, seq: Sequence) -> None:
         """``seq`` gives up its slot and its blocks."""

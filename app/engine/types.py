@@ -94,6 +94,13 @@ class Sequence:
     prefill_target: int = 0
     num_preemptions: int = 0
     admission: int = 0  # the scheduler's admission count when it last got a slot
+    # scheduling-policy state (app/engine/policies.py): times passed over while waiting or
+    # preempted by a policy; when it last entered the queue; its MLFQ level and the
+    # num_generated at which its current time slice started
+    overtaken: int = 0
+    queued_at: float = 0.0
+    level: int = 0
+    slice_start: int = 0
     slot: int | None = None
     finish_reason: FinishReason | None = None
     error: BaseException | None = None

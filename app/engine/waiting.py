@@ -4,6 +4,7 @@ preempted request goes back to the front, so it resumes before newer arrivals.""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 
 from app.engine.types import Sequence
 
@@ -19,6 +20,10 @@ class WaitingQueue:
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._by_id
+
+    def __iter__(self) -> Iterator[Sequence]:
+        """The sequences in queue order (the queue must not change meanwhile)."""
+        return iter(self._by_id.values())
 
     def push(self, seq: Sequence) -> None:
         self._by_id[seq.request_id] = seq
