@@ -35,6 +35,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_tokens: int | None = None
     max_model_len: int | None = None
+    enable_prefix_caching: bool = False
     step_costs: StepCosts = NO_STEP_TIME  # the simulated step time (zero: none)
     seed: int = 0  # the step clock's jitter
     # Run each model call in a worker thread, unless the model declares ``blocking = False``
@@ -50,6 +51,7 @@ class EngineConfig:
             block_size=self.block_size,
             kv_cache_tokens=self.kv_cache_tokens,
             max_model_len=self.max_model_len,
+            enable_prefix_caching=self.enable_prefix_caching,
         )
 
 

@@ -19,14 +19,14 @@ from enum import Enum, auto
 from typing import TypeVar
 
 from app.engine.core import EngineConfig, EngineCore, EngineObserver
-from app.engine.errors import EngineDeadError, EngineDrainingError
+from app.engine.errors import EngineDeadError, EngineDrainingError, UnsupportedFeatureError
 from app.engine.runner import close_quietly, make_runner
 from app.engine.step import ModelOutput, SchedulerOutput
 from app.engine.step_clock import StepClock, sleep_until
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
 from app.engine.worker import ModelWorker
-from app.models.protocol import Model
+from app.models.protocol import Model, supports_prefix_caching
 
 log = logging.getLogger("slotserve.engine")
 
@@ -62,6 +62,11 @@ class Engine:
     def __init__(
         self, model: Model, config: EngineConfig, observer: EngineObserver | None = None
     ) -> None:
+        if config.enable_prefix_caching and not supports_prefix_caching(model):
+            raise UnsupportedFeatureError(
+                f"prefix caching is not implemented by the model {type(model).__name__} "
+                "(its runner cannot start a prefill after a cached prefix)"
+            )
         self.model = model
         self.config = config
         self.core = EngineCore(make_runner(model, config.num_slots), config, observer)

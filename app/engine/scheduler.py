@@ -11,6 +11,10 @@ order: one token for every decoding request, then prompt chunks of requests stil
 (oldest admission first), then new admissions from the waiting queue into free slots, so a slot
 freed by the previous step, or by an abort, is reused before the next model call and a long
 prompt is prefilled over several steps while everyone else keeps decoding.
+
+With the prefix cache on, an admitted request starts after its prompt's cached leading blocks:
+its first chunk starts there (carrying the cached tokens as ``prefix`` for the model), so the
+step clock charges prefill only for the rest.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from app.engine.kv_books import KVBooks
+from app.engine.prefix_cache import CachedBlock, PrefixCache
 from app.engine.slots import SlotTable
 from app.engine.step import ModelOutput, SchedulerOutput, StepOutcome
 from app.engine.types import FinishReason, RequestStatus, Sequence
@@ -45,7 +50,9 @@ class SchedulerConfig:
     budget). ``kv_cache_tokens``: KV capacity in tokens, rounded down to whole blocks of
     ``block_size`` (None: it never binds). ``max_model_len``: the longest a request can get
     (the API enforces it); a capacity of ``num_slots * max_model_len`` or more never binds
-    either, so the scheduler skips the block arithmetic.
+    either, so the scheduler skips the block arithmetic. ``enable_prefix_caching``: keep the
+    full prompt blocks of requests in a prefix cache (``app.engine.prefix_cache``) and start
+    each admitted request after its cached prefix.
     """
 
     num_slots: int
@@ -55,6 +62,7 @@ class SchedulerConfig:
     block_size: int = 16
     kv_cache_tokens: int | None = None
     max_model_len: int | None = None
+    enable_prefix_caching: bool = False
 
     @property
     def kv_binds(self) -> bool:
@@ -85,7 +93,11 @@ class Scheduler:
         self.config = config
         self.slots = SlotTable(config.num_slots)
         self.waiting = WaitingQueue()
-        self.books = KVBooks(config.kv_cache_tokens or UNBOUNDED, config.block_size)
+        self.prefix_cache = PrefixCache(config.block_size) if config.enable_prefix_caching else None
+        self.books = KVBooks(
+            config.kv_cache_tokens or UNBOUNDED, config.block_size, self.prefix_cache
+        )
+        self._count_blocks = config.kv_binds or self.prefix_cache is not None
         self._budget = config.max_num_batched_tokens or UNBOUNDED
         self._chunk_cap = config.max_prefill_chunk or self._budget
         self._prefilling: list[Sequence] = []  # running, prefill incomplete, admission order
@@ -168,6 +180,8 @@ class Scheduler:
             self._preempt_youngest_prefill(now)
             for seq in self._prefilling:
                 budget -= self._chunk(out, seq, budget)
+        if self.prefix_cache is not None:  # the blocks handed out come from the free ones
+            self.prefix_cache.evict_to(self._free_blocks)
         out.preempted, self._preempted = self._preempted, []
         if not out.empty:  # an empty output is never run: keep its releases for the next one
             out.released, self._released = self._released, []
@@ -216,7 +230,7 @@ class Scheduler:
         cannot take one more token for each, preempt the most recently admitted running
         requests until it can (as vLLM does)."""
         decoding = self._decoding_now()
-        if not self.config.kv_binds:
+        if not self._count_blocks:
             self._free_blocks = UNBOUNDED
             return decoding
         books = self.books
@@ -234,11 +248,13 @@ class Scheduler:
         """Running requests are all prefilling and none has the blocks for its next chunk:
         give the most recently admitted one's blocks to the others."""
         victim = max(self._prefilling, key=lambda s: s.admission)
-        self._free_blocks += self.books.blocks_for(victim.num_computed_tokens)
         self.preempt(victim, now)
+        # nothing was handed out in this step yet: the free blocks are the books' own
+        self._free_blocks = self.books.total - self.books.used(self.slots.running())
 
-    def _chunk(self, out: SchedulerOutput, seq: Sequence, budget: int) -> int:
-        """Schedule the next prefill chunk of ``seq`` within ``budget``; returns its length."""
+    def _chunk(self, out: SchedulerOutput, seq: Sequence, budget: int, first: bool = False) -> int:
+        """Schedule the next prefill chunk of ``seq`` within ``budget``; returns its length.
+        ``first``: its first chunk on a fresh slot (after a cached prefix, if any)."""
         start, books = seq.prefilled, self.books
         room = books.room(start, self._free_blocks)
         size = min(seq.prefill_target - start, self._chunk_cap, budget, room)
@@ -247,8 +263,9 @@ class Scheduler:
         self._free_blocks -= books.blocks_for(start + size) - books.blocks_for(start)
         sample = start + size == seq.prefill_target
         assert seq.slot is not None
+        prefix = seq.tokens[:start] if first and start else ()
         chunk = PrefillChunk(seq.slot, seq.tokens[start : start + size], start, sample,
-                             seq.sampling, seq.request_id)  # fmt: skip
+                             seq.sampling, seq.request_id, prefix)  # fmt: skip
         out.prefill_seqs.append(seq)
         out.prefills.append(chunk)
         out.num_prefill_tokens += size
@@ -260,12 +277,20 @@ class Scheduler:
             return budget
         while budget > 0 and self.waiting and self.slots.num_free:
             seq = self.waiting.peek()
-            if not self.books.room(0, self._free_blocks):
+            hits = self._cached_prefix(seq)
+            cost = sum(1 for block in hits if block.refs == 0)  # they leave the free blocks
+            if not self.books.room(0, self._free_blocks - cost):
                 break  # the cache is full: it waits (first come, first served)
             self.waiting.pop()
             self.slots.allocate(seq)
             seq.status = RequestStatus.RUNNING
             seq.prefilled, seq.prefill_target = 0, len(seq.tokens)
+            if self.prefix_cache is not None:
+                self.prefix_cache.acquire(seq, hits)
+                self._free_blocks -= cost
+                seq.prefilled = len(hits) * self.books.block_size
+                out.prefix_queries += seq.prefill_target
+                out.prefix_hits += seq.prefilled
             self._admissions += 1
             seq.admission = self._admissions
             if seq.times.admitted is None:  # its first admission (not a resume)
@@ -274,8 +299,15 @@ class Scheduler:
             else:
                 out.resumed.append(seq)
             self._prefilling.append(seq)
-            budget -= self._chunk(out, seq, budget)
+            budget -= self._chunk(out, seq, budget, first=True)
         return budget
+
+    def _cached_prefix(self, seq: Sequence) -> list[CachedBlock]:
+        """The cached leading blocks of ``seq``'s prompt (none without a prefix cache). At
+        least its last token is always computed, to sample from."""
+        if self.prefix_cache is None:
+            return []
+        return self.prefix_cache.lookup(seq, len(seq.tokens) - 1)
 
     def _apply_decodes(self, seqs: list[Sequence], tokens: list[int], outcome: StepOutcome) -> int:
         """The hot path: one token for each decoding request. Returns the tokens applied."""
@@ -314,6 +346,8 @@ class Scheduler:
             if seq.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted while the model ran
             seq.prefilled = chunk.start + len(chunk.token_ids)
+            if self.prefix_cache is not None:
+                self.prefix_cache.publish(seq)
             if token is None:
                 continue
             self._prefilling.remove(seq)
@@ -372,3 +406,5 @@ class Scheduler:
             self._decoding = None
         self._released.append(self.slots.release(seq))
         seq.prefilled = 0
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(seq)
