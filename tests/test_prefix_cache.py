@@ -32,11 +32,17 @@ def seq(rid: str, prompt: list[int], max_tokens: int = 3) -> Sequence:
     return Sequence(rid, list(prompt), max_tokens, frozenset({STOP}))
 
 
-def cached(num_slots: int = 4, kv_tokens: int | None = None, **kw: int) -> Scheduler:
-    return Scheduler(
-        SchedulerConfig(num_slots, block_size=BS, kv_cache_tokens=kv_tokens,
-                        enable_prefix_caching=True, **kw)  # fmt: skip
+def cached(
+    num_slots: int = 4, kv_tokens: int | None = None, budget: int | None = None
+) -> Scheduler:
+    config = SchedulerConfig(
+        num_slots,
+        max_num_batched_tokens=budget,
+        block_size=BS,
+        kv_cache_tokens=kv_tokens,
+        enable_prefix_caching=True,
     )
+    return Scheduler(config)
 
 
 def run_out(scheduler: Scheduler, s: Sequence, token: int = 7) -> None:
@@ -106,7 +112,7 @@ def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
 
 
 def test_a_block_is_cached_as_soon_as_it_is_computed_so_concurrent_requests_share_it() -> None:
-    scheduler = cached(max_num_batched_tokens=8)
+    scheduler = cached(budget=8)
     shared = [1, 2, 3, 4, 5, 6, 7, 8]
     a = seq("a", [*shared, 9], max_tokens=20)
     scheduler.add(a, 0.0)
@@ -167,8 +173,8 @@ def test_a_hit_on_free_cached_blocks_takes_them_out_of_the_free_blocks() -> None
 def test_cached_mock_copies_the_prefix_into_a_released_slot() -> None:
     model = CachedMockModel(1)
     tokens = [72, 101, 108, 108, 111, 32, 119]
-    whole = model.step(StepBatch([], [], [], [], [PrefillChunk(0, tokens, 0, True,
-                                                               DEFAULT_SAMPLING, "a")]))  # fmt: skip
+    first = PrefillChunk(0, tokens, 0, True, DEFAULT_SAMPLING, "a")
+    whole = model.step(StepBatch([], [], [], [], [first]))
     model.release(0)
     chunk = PrefillChunk(0, tokens[4:], 4, True, DEFAULT_SAMPLING, "b", tokens[:4])
     assert chunk.fresh
