@@ -1,0 +1,413 @@
+"""Does a `--profile` server time its tokens as the profile predicts? (docs/fidelity.md)
+
+Each section starts real `python -m app serve --profile ...` processes on 127.0.0.1 and compares
+what a client (and the server's own histograms) measures with the step clock's prediction:
+
+1. per profile: inter-token latency of B concurrent streams (B = 1, 8, 32; one step decodes B
+   tokens: b0 + b2*B), time to first token of a lone 128- and 1,024-token prompt (one step:
+   b0 + b1*P), a lone 4,096-token prompt (the chunk schedule: one chunk at the profile's budget
+   of 8,192, four at --max-num-batched-tokens 1024: b0 per chunk), and batch 128 from the
+   server's `vllm:inter_token_latency_seconds` (128 non-streamed requests: the client would
+   saturate the cores reading 128 streams);
+2. llama3.1-8b-h100 under Poisson load, 0.25 to 1.2 of its capacity, TTFT and ITL from the
+   server's histograms next to the steady-state prediction and the knee;
+3. KV pressure: a small --kv-cache-tokens makes preemptions; every output equals the output of
+   a server without pressure, and `vllm:kv_cache_usage_perc` (polled) stays <= 1;
+4. prefix cache: 100 requests sharing a 1,000-token system prompt, with and without
+   --enable-prefix-caching: hit rate and TTFT.
+
+Medians of repeats. The machine is shared, so deviations include other processes' load.
+
+Run: PYTHONPATH=. /work/venv/bin/python benchmarks/fidelity.py [--quick] [--out docs/fidelity]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.profiles import PROFILES, GpuProfile
+
+ROOT = Path(__file__).resolve().parents[1]
+H100 = "llama3.1-8b-h100"
+Results = dict[str, Any]
+
+
+# --- predictions ------------------------------------------------------------------------------
+
+
+def step_s(p: GpuProfile, prefill: int = 0, decode: int = 0) -> float:
+    """The step clock: b0 + b1 * prefill + b2 * decode, in seconds."""
+    return (p.step_us + p.prefill_token_us * prefill + p.decode_token_us * decode) / 1e6
+
+
+def chunked_ttft_s(p: GpuProfile, prompt: int, budget: int) -> float:
+    """A lone prompt prefilled in chunks of ``budget``: b0 per chunk, b1 per token."""
+    chunks = -(-prompt // budget)
+    return chunks * p.step_us / 1e6 + p.prefill_token_us * prompt / 1e6
+
+
+def load_model(p: GpuProfile, rate: float, prompt: int, output: int, slots: int) -> Results:
+    """Steady state at ``rate`` requests/s: a step lasts T = b0 + b2*n + b1*P*rate*T with
+    n = rate*O*T running (Little), so T = b0 / (1 - rate*(b2*O + b1*P)); saturated when n
+    would exceed the slots. TTFT ~ the rest of the current step (T/2) plus the step that
+    prefills it (T)."""
+    b0, b1, b2 = p.step_us / 1e6, p.prefill_token_us / 1e6, p.decode_token_us / 1e6
+    load = rate * (b2 * output + b1 * prompt)
+    step = b0 / (1 - load) if load < 1 else float("inf")
+    return {"itl": step, "ttft": 1.5 * step, "running": rate * output * step}
+
+
+def knee_rate(p: GpuProfile, prompt: int, output: int, slots: int) -> float:
+    """The arrival rate at which all slots are busy: n = slots with T at that load."""
+    b0, b1, b2 = p.step_us / 1e6, p.prefill_token_us / 1e6, p.decode_token_us / 1e6
+    step = b0 + b2 * slots + b1 * prompt * slots / output
+    return slots / (output * step)
+
+
+# --- servers and clients ----------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def server(*flags: str) -> Iterator[str]:
+    port = free_port()
+    args = [sys.executable, "-m", "app", "serve", "--port", str(port), "--log-level", "warning",
+            "--mock-stop-probability", "0", *flags]  # fmt: skip
+    process = subprocess.Popen(args, cwd=ROOT, env=os.environ | {"PYTHONPATH": str(ROOT)})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.05)  # another process binding: nothing to await
+        yield url
+    finally:
+        process.terminate()
+        process.wait(15)
+
+
+def prompt_of(length: int, salt: int = 0) -> list[int]:
+    rng = random.Random(salt)
+    return [rng.randrange(32, 127) for _ in range(length)]
+
+
+async def stream(client: httpx.AsyncClient, url: str, prompt: list[int], tokens: int) -> Results:
+    """One streamed request: client-side TTFT and the arrival time of every token."""
+    body = {"prompt": prompt, "max_tokens": tokens, "ignore_eos": True}
+    arrivals: list[float] = []
+    start = time.perf_counter()
+    async with client.stream("POST", f"{url}/generate", json=body) as response:
+        event = ""
+        async for line in response.aiter_lines():
+            if line.startswith("event:"):
+                event = line[6:].strip()
+            elif line.startswith("data:") and event == "token":
+                now = time.perf_counter()
+                arrivals += [now] * len(json.loads(line[5:])["tokens"])
+    gaps = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1) if len(arrivals) > 1 else 0.0
+    return {"ttft": arrivals[0] - start, "itl": gaps, "tokens": len(arrivals)}
+
+
+async def complete(client: httpx.AsyncClient, url: str, prompt: list[int], tokens: int) -> Results:
+    body = {"prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "stream": False}
+    r = await client.post(f"{url}/generate", json=body)
+    r.raise_for_status()
+    result: Results = r.json()
+    return result
+
+
+async def scrape(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """Every sample of /metrics summed over labels other than le (name -> value)."""
+    text = (await client.get(f"{url}/metrics")).text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = s.name + (f"|{s.labels['le']}" if "le" in s.labels else "")
+            values[key] = values.get(key, 0.0) + s.value
+    return values
+
+
+def mean_of(before: dict[str, float], after: dict[str, float], hist: str) -> float:
+    count = after[f"{hist}_count"] - before[f"{hist}_count"]
+    return (after[f"{hist}_sum"] - before[f"{hist}_sum"]) / count if count else float("nan")
+
+
+@contextlib.asynccontextmanager
+async def client_for(connections: int = 300) -> AsyncIterator[httpx.AsyncClient]:
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    async with httpx.AsyncClient(limits=limits, timeout=300) as client:
+        yield client
+
+
+# --- 1. each profile --------------------------------------------------------------------------
+
+
+NO_STEP_TIME = GpuProfile("baseline", 0, 0, 0, 0, 0, 0, 0, 0, 0)  # HTTP and engine overhead
+
+
+async def profile_section(p: GpuProfile, url: str, repeats: int) -> Results:
+    """Measured and predicted seconds for each quantity (client-side unless ``_server``)."""
+    out: Results = {}
+    async with client_for() as client:
+        await complete(client, url, prompt_of(16), 4)  # warm up
+        for batch in (1, 8, 32):
+            runs = []
+            for r in range(repeats):
+                streams = [stream(client, url, prompt_of(16, 100 * r + i), 48)
+                           for i in range(batch)]  # fmt: skip
+                runs.append(statistics.median(s["itl"] for s in await asyncio.gather(*streams)))
+            out[f"itl_b{batch}"] = (statistics.median(runs), step_s(p, decode=batch))
+        for length in (128, 1024, 4096):
+            runs, server_side = [], []
+            for r in range(repeats):
+                before = await scrape(client, url)
+                runs.append((await stream(client, url, prompt_of(length, r), 2))["ttft"])
+                after = await scrape(client, url)
+                server_side.append(mean_of(before, after, "vllm:time_to_first_token_seconds"))
+            predicted = chunked_ttft_s(p, length, 8192)
+            out[f"ttft_{length}"] = (statistics.median(runs), predicted)
+            out[f"ttft_{length}_server"] = (statistics.median(server_side), predicted)
+        before = await scrape(client, url)
+        await asyncio.gather(*(complete(client, url, prompt_of(16, i), 48) for i in range(128)))
+        after = await scrape(client, url)
+        out["itl_b128_server"] = (
+            mean_of(before, after, "vllm:inter_token_latency_seconds"),
+            step_s(p, decode=128),
+        )
+    return out
+
+
+async def chunked_section(url: str, repeats: int) -> Results:
+    p = PROFILES[H100]
+    async with client_for() as client:
+        runs = [(await stream(client, url, prompt_of(4096, r), 2))["ttft"] for r in range(repeats)]
+    return {"ttft_4096_budget1024": (statistics.median(runs), chunked_ttft_s(p, 4096, 1024))}
+
+
+# --- 2. load ----------------------------------------------------------------------------------
+
+LOAD_PROMPT, LOAD_OUTPUT = 512, 128
+
+
+async def load_point(url: str, rate: float, seconds: float, seed: int) -> Results:
+    rng = random.Random(seed)
+    async with client_for(2000) as client:
+        before = await scrape(client, url)
+        tasks, start, t, waiting = [], time.perf_counter(), 0.0, 0.0
+        while t < seconds:
+            delay = start + t - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            prompt = prompt_of(LOAD_PROMPT, rng.randrange(1 << 30))
+            tasks.append(asyncio.create_task(complete(client, url, prompt, LOAD_OUTPUT)))
+            t += rng.expovariate(rate)
+        waiting = (await scrape(client, url)).get("vllm:num_requests_waiting", 0.0)
+        await asyncio.gather(*tasks)
+        after = await scrape(client, url)
+    return {
+        "rate": rate,
+        "offered": len(tasks) / seconds,
+        "ttft": mean_of(before, after, "vllm:time_to_first_token_seconds"),
+        "itl": mean_of(before, after, "vllm:inter_token_latency_seconds"),
+        "queue": mean_of(before, after, "vllm:request_queue_time_seconds"),
+        "waiting_at_end": waiting,
+    }
+
+
+async def load_section(url: str, seconds: float, fractions: list[float]) -> Results:
+    p = PROFILES[H100]
+    knee = knee_rate(p, LOAD_PROMPT, LOAD_OUTPUT, 256)
+    points = []
+    for i, fraction in enumerate(fractions):
+        point = await load_point(url, fraction * knee, seconds, i)
+        point |= {"fraction": fraction, "predicted": load_model(p, point["rate"], LOAD_PROMPT,
+                                                                 LOAD_OUTPUT, 256)}  # fmt: skip
+        print(f"  load {fraction:.2f}: {json.dumps(point)}", flush=True)
+        points.append(point)
+    return {"knee_rate": knee, "points": points}
+
+
+# --- 3. KV pressure ---------------------------------------------------------------------------
+
+
+async def kv_section(small: str, roomy: str) -> Results:
+    prompts = [prompt_of(300, 7000 + i) for i in range(48)]
+    usage: list[float] = []
+    async with client_for() as client:
+        done = asyncio.Event()
+
+        async def poll() -> None:
+            while not done.is_set():
+                usage.append((await scrape(client, small))["vllm:kv_cache_usage_perc"])
+                await asyncio.sleep(0.02)  # a sampling period, not a synchronisation
+
+        poller = asyncio.create_task(poll())
+        pressured = await asyncio.gather(*(complete(client, small, p, 200) for p in prompts))
+        done.set()
+        await poller
+        metrics = await scrape(client, small)
+        reference = await asyncio.gather(*(complete(client, roomy, p, 200) for p in prompts))
+    same = sum(a["tokens"] == b["tokens"] for a, b in zip(pressured, reference, strict=True))
+    return {
+        "requests": len(prompts),
+        "identical_outputs": same,
+        "completed": sum(r["finish_reason"] == "length" for r in pressured),
+        "preemptions": metrics["vllm:num_preemptions_total"],
+        "max_usage": max(usage),
+        "usage_samples": len(usage),
+    }
+
+
+# --- 4. prefix cache --------------------------------------------------------------------------
+
+
+async def prefix_section(url: str) -> Results:
+    system = prompt_of(1000, 42)
+    ttfts: list[float] = []
+    async with client_for() as client:
+        before = await scrape(client, url)
+        for i in range(100):
+            question = prompt_of(24, 5000 + i)
+            ttfts.append((await stream(client, url, system + question, 8))["ttft"])
+        after = await scrape(client, url)
+    queries = after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"]
+    hits = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
+    return {
+        "ttft_median": statistics.median(ttfts[1:]),
+        "ttft_first": ttfts[0],
+        "ttft_server_mean": mean_of(before, after, "vllm:time_to_first_token_seconds"),
+        "hit_rate": hits / queries if queries else 0.0,
+        "queries": queries,
+        "hits": hits,
+    }
+
+
+# --- charts and main --------------------------------------------------------------------------
+
+
+def charts(results: Results, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    keys = ["itl_b1", "itl_b8", "itl_b32", "itl_b128_server", "ttft_128", "ttft_1024",
+            "ttft_4096"]  # fmt: skip
+    base = results.get("baseline", {})
+    fig, axes = plt.subplots(1, len(results["profiles"]), figsize=(16, 4), sharey=False)
+    for ax, (name, values) in zip(axes, results["profiles"].items(), strict=True):
+        ms = {k: values[k][0] * 1000 for k in keys}
+        bars = {
+            "predicted": [values[k][1] * 1000 for k in keys],
+            "measured": [ms[k] for k in keys],
+            "measured - no-step-time baseline": [ms[k] - base.get(k, [0])[0] * 1000 for k in keys],
+        }
+        for i, (label, heights) in enumerate(bars.items()):
+            ax.bar([j + 0.27 * (i - 1) for j in range(len(keys))], heights, 0.27, label=label)
+        ax.set_xticks(range(len(keys)), [k.replace("_server", "*") for k in keys], rotation=45,
+                      fontsize=7)  # fmt: skip
+        ax.set_title(name, fontsize=9)
+        ax.set_ylabel("ms")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "profiles.png", dpi=90)
+    if "load" in results:
+        load = results["load"]
+        pts = load["points"]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        loads = [pt["fraction"] for pt in pts]
+        ax.plot(loads, [pt["ttft"] * 1000 for pt in pts], "o-", label="TTFT measured")
+        ax.plot(loads, [pt["predicted"]["ttft"] * 1000 for pt in pts], "--", label="TTFT predicted")
+        ax.plot(loads, [pt["itl"] * 1000 for pt in pts], "s-", label="ITL measured")
+        ax.plot(loads, [pt["predicted"]["itl"] * 1000 for pt in pts], ":", label="ITL predicted")
+        ax.axvline(1.0, color="grey", lw=0.8)
+        ax.text(1.0, ax.get_ylim()[1] * 0.9, f" knee {load['knee_rate']:.0f} req/s", fontsize=8)
+        ax.set_yscale("log")
+        ax.set_xlabel(f"offered load / capacity ({LOAD_PROMPT}-token prompts, "
+                      f"{LOAD_OUTPUT} tokens out)")  # fmt: skip
+        ax.set_ylabel("ms (server histograms, mean)")
+        ax.set_title(H100)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "load.png", dpi=90)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, shorter load runs")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "fidelity")
+    parser.add_argument("--sections", default="profiles,chunks,load,kv,prefix")
+    args = parser.parse_args()
+    repeats, seconds = (3, 8.0) if args.quick else (5, 20.0)
+    sections = set(args.sections.split(","))
+    saved = args.out / "results.json"  # sections not run keep their saved results
+    results: Results = json.loads(saved.read_text()) if saved.exists() else {}
+    results.setdefault("profiles", {})
+    results["loadavg_at_start"] = os.getloadavg()
+    if "profiles" in sections:
+        limits = ("--num-slots", "256", "--max-num-batched-tokens", "8192")
+        with server(*limits) as url:  # the same requests with no step time: the overhead
+            results["baseline"] = asyncio.run(profile_section(NO_STEP_TIME, url, repeats))
+        print("baseline", json.dumps(results["baseline"]), flush=True)
+        for name, p in PROFILES.items():
+            with server("--profile", name) as url:
+                results["profiles"][name] = asyncio.run(profile_section(p, url, repeats))
+            print(name, json.dumps(results["profiles"][name]), flush=True)
+    if "chunks" in sections:
+        with server("--profile", H100, "--max-num-batched-tokens", "1024") as url:
+            results["chunks"] = asyncio.run(chunked_section(url, repeats))
+        print("chunks", json.dumps(results["chunks"]), flush=True)
+    if "load" in sections:
+        with server("--profile", H100) as url:
+            fractions = [0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.2]
+            results["load"] = asyncio.run(load_section(url, seconds, fractions))
+    if "kv" in sections:
+        with (
+            server("--profile", H100, "--kv-cache-tokens", "8192") as small,
+            server("--profile", H100) as roomy,
+        ):
+            results["kv"] = asyncio.run(kv_section(small, roomy))
+        print("kv", json.dumps(results["kv"]), flush=True)
+    if "prefix" in sections:
+        results["prefix"] = {}
+        for label, flags in (("off", ()), ("on", ("--enable-prefix-caching",))):
+            with server("--profile", H100, *flags) as url:
+                results["prefix"][label] = asyncio.run(prefix_section(url))
+        p = PROFILES[H100]
+        results["prefix"]["predicted"] = {"off": step_s(p, 1024), "on": step_s(p, 1024 - 992),
+                                          "hit_rate": 99 * 992 / (100 * 1024)}  # fmt: skip
+        print("prefix", json.dumps(results["prefix"]), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results["loadavg_at_end"] = os.getloadavg()
+    saved.write_text(json.dumps(results, indent=1))
+    if results["profiles"]:
+        charts(results, args.out)
+
+
+if __name__ == "__main__":
+    main()
