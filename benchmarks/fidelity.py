@@ -175,12 +175,16 @@ async def profile_section(p: GpuProfile, url: str, repeats: int) -> Results:
     async with client_for() as client:
         await complete(client, url, prompt_of(16), 4)  # warm up
         for batch in (1, 8, 32):
-            runs = []
+            runs, server_side = [], []
             for r in range(repeats):
                 streams = [stream(client, url, prompt_of(16, 100 * r + i), 48)
                            for i in range(batch)]  # fmt: skip
+                before = await scrape(client, url)
                 runs.append(statistics.median(s["itl"] for s in await asyncio.gather(*streams)))
+                after = await scrape(client, url)
+                server_side.append(mean_of(before, after, "vllm:inter_token_latency_seconds"))
             out[f"itl_b{batch}"] = (statistics.median(runs), step_s(p, decode=batch))
+            out[f"itl_b{batch}_server"] = (statistics.median(server_side), step_s(p, decode=batch))
         for length in (128, 1024, 4096):
             runs, server_side = [], []
             for r in range(repeats):
@@ -191,14 +195,26 @@ async def profile_section(p: GpuProfile, url: str, repeats: int) -> Results:
             predicted = chunked_ttft_s(p, length, 8192)
             out[f"ttft_{length}"] = (statistics.median(runs), predicted)
             out[f"ttft_{length}_server"] = (statistics.median(server_side), predicted)
-        before = await scrape(client, url)
-        await asyncio.gather(*(complete(client, url, prompt_of(16, i), 48) for i in range(128)))
-        after = await scrape(client, url)
-        out["itl_b128_server"] = (
-            mean_of(before, after, "vllm:inter_token_latency_seconds"),
-            step_s(p, decode=128),
-        )
+        out["itl_b128_server"] = (await steady_itl(client, url, 128), step_s(p, decode=128))
     return out
+
+
+async def steady_itl(client: httpx.AsyncClient, url: str, batch: int) -> float:
+    """The server's mean inter-token latency while ``batch`` non-streamed requests all decode
+    (a window after the last is admitted and before the first finishes)."""
+    tokens = 400
+    tasks = [asyncio.create_task(complete(client, url, prompt_of(16, i), tokens))
+             for i in range(batch)]  # fmt: skip
+    deadline = time.monotonic() + 60
+    while (await scrape(client, url))["vllm:num_requests_running"] < batch:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{batch} requests never ran at once")
+        await asyncio.sleep(0.01)  # polling another process's state: no event to await
+    before = await scrape(client, url)
+    await asyncio.sleep(1.0)  # the measurement window (the requests run for ~400 steps)
+    after = await scrape(client, url)
+    await asyncio.gather(*tasks)
+    return mean_of(before, after, "vllm:inter_token_latency_seconds")
 
 
 async def chunked_section(url: str, repeats: int) -> Results:
@@ -316,8 +332,8 @@ def charts(results: Results, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
-    keys = ["itl_b1", "itl_b8", "itl_b32", "itl_b128_server", "ttft_128", "ttft_1024",
-            "ttft_4096"]  # fmt: skip
+    keys = ["itl_b1", "itl_b8", "itl_b32", "itl_b32_server", "itl_b128_server", "ttft_128",
+            "ttft_1024", "ttft_1024_server", "ttft_4096"]  # fmt: skip
     base = results.get("baseline", {})
     fig, axes = plt.subplots(1, len(results["profiles"]), figsize=(16, 4), sharey=False)
     for ax, (name, values) in zip(axes, results["profiles"].items(), strict=True):

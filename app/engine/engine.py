@@ -78,6 +78,7 @@ class Engine:
         self.draining = False
         self.death: BaseException | None = None
         self._stopping: asyncio.Task[None] | None = None
+        self._last_deadline: float | None = None  # of the step just run (None: idle since)
 
     @property
     def alive(self) -> bool:
@@ -168,6 +169,7 @@ class Engine:
                     await self._close_runner()
                 if self._inbox.empty():
                     self._idle.set()
+                self._last_deadline = None  # the next step does not follow one
                 message = await self._inbox.get()
                 self._idle.clear()
                 if not self._handle(message):
@@ -176,6 +178,7 @@ class Engine:
                 return
             out = core.schedule()
             if out.empty:  # work waits, but none can run now (every free slot is out of
+                self._last_deadline = None
                 if not await self._wait_for_room():  # service): wait, never spin
                     return
                 continue
@@ -225,8 +228,11 @@ class Engine:
         else:
             result = await self._worker.run(self.core.runner.execute, out)
         if self.clock.enabled:
-            deadline = self.clock.deadline(out.started_at, out.num_prefill_tokens,
-                                           out.num_decode_tokens)  # fmt: skip
+            prefill, decode = out.num_prefill_tokens, out.num_decode_tokens
+            deadline = self.clock.paced_deadline(
+                out.started_at, prefill, decode, self._last_deadline
+            )
+            self._last_deadline = deadline
             await sleep_until(deadline, self.core.clock)
         else:
             await asyncio.sleep(0)  # let streams, submits and aborts run between steps
