@@ -335,7 +335,8 @@ def charts(results: Results, out: Path) -> None:
     keys = ["itl_b1", "itl_b8", "itl_b32", "itl_b32_server", "itl_b128_server", "ttft_128",
             "ttft_1024", "ttft_1024_server", "ttft_4096"]  # fmt: skip
     base = results.get("baseline", {})
-    fig, axes = plt.subplots(1, len(results["profiles"]), figsize=(16, 4), sharey=False)
+    fig, axes = plt.subplots(1, len(results["profiles"]), figsize=(16, 4), squeeze=False)
+    axes = axes[0]
     for ax, (name, values) in zip(axes, results["profiles"].items(), strict=True):
         ms = {k: values[k][0] * 1000 for k in keys}
         bars = {
@@ -377,7 +378,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer repeats, shorter load runs")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "fidelity")
-    parser.add_argument("--sections", default="profiles,chunks,load,kv,prefix")
+    parser.add_argument("--sections", default="baseline,profiles,chunks,load,kv,prefix")
+    parser.add_argument("--profiles", default=",".join(PROFILES), help="comma list")
     args = parser.parse_args()
     repeats, seconds = (3, 8.0) if args.quick else (5, 20.0)
     sections = set(args.sections.split(","))
@@ -385,12 +387,14 @@ def main() -> None:
     results: Results = json.loads(saved.read_text()) if saved.exists() else {}
     results.setdefault("profiles", {})
     results["loadavg_at_start"] = os.getloadavg()
-    if "profiles" in sections:
+    if "baseline" in sections:
         limits = ("--num-slots", "256", "--max-num-batched-tokens", "8192")
         with server(*limits) as url:  # the same requests with no step time: the overhead
             results["baseline"] = asyncio.run(profile_section(NO_STEP_TIME, url, repeats))
         print("baseline", json.dumps(results["baseline"]), flush=True)
-        for name, p in PROFILES.items():
+    if "profiles" in sections:
+        for name in args.profiles.split(","):
+            p = PROFILES[name]
             with server("--profile", name) as url:
                 results["profiles"][name] = asyncio.run(profile_section(p, url, repeats))
             print(name, json.dumps(results["profiles"][name]), flush=True)
