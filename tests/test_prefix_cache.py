@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from reference import run_alone
 
+from app.cli import parse, serve
 from app.engine.core import EngineConfig
 from app.engine.engine import Engine
 from app.engine.errors import UnsupportedFeatureError
@@ -298,3 +299,18 @@ async def test_the_same_prompt_gives_the_same_output_with_and_without_the_cache(
     async with make_client() as client:
         without = await twice(client)
     assert with_cache == without and with_cache[0] == with_cache[1]
+
+
+def test_serve_refuses_the_flag_for_such_a_model_with_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import app.api.app
+    from app.api.app import create_app
+
+    monkeypatch.setattr(app.api.app, "create_app", lambda s: create_app(s, NoPrefixModel()))
+    _, settings = parse(["serve", "--enable-prefix-caching"])
+    with pytest.raises(SystemExit) as exit_info:
+        serve(settings)
+    message = str(exit_info.value)
+    assert message.startswith("slotserve: error: prefix caching is not implemented")
+    assert "\n" not in message
