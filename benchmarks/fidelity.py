@@ -158,7 +158,11 @@ def mean_of(before: dict[str, float], after: dict[str, float], hist: str) -> flo
 
 @contextlib.asynccontextmanager
 async def client_for(connections: int = 300) -> AsyncIterator[httpx.AsyncClient]:
-    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    limits = httpx.Limits(
+        max_connections=connections,
+        max_keepalive_connections=connections,
+        keepalive_expiry=1.0,  # before uvicorn's 5 s: never reuse a connection it is closing
+    )
     async with httpx.AsyncClient(limits=limits, timeout=300) as client:
         yield client
 
@@ -374,6 +378,54 @@ def charts(results: Results, out: Path) -> None:
         fig.savefig(out / "load.png", dpi=90)
 
 
+def pct(measured: float, predicted: float) -> str:
+    return f"{100 * (measured / predicted - 1):+.1f}%" if predicted else ""
+
+
+def markdown(results: Results) -> str:
+    """The tables of docs/fidelity.md."""
+    lines, base = [], results.get("baseline", {})
+    rows = ["itl_b1", "itl_b1_server", "itl_b8", "itl_b8_server", "itl_b32", "itl_b32_server",
+            "itl_b128_server", "ttft_128", "ttft_128_server", "ttft_1024", "ttft_1024_server",
+            "ttft_4096", "ttft_4096_server"]  # fmt: skip
+    for name, values in results.get("profiles", {}).items():
+        lines += [f"\n`{name}` (ms)\n", "| quantity | predicted | measured | deviation | "
+                  "no-step-time baseline | measured - baseline | deviation |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+        for key in rows:
+            measured, predicted = values[key]
+            row = f"| {key} | {predicted * 1e3:.2f} | {measured * 1e3:.2f} | "
+            row += f"{pct(measured, predicted)} | "
+            if key.startswith("ttft") and key in base:  # pacing absorbs ITL overhead: no baseline
+                b = base[key][0]
+                row += (
+                    f"{b * 1e3:.2f} | {(measured - b) * 1e3:.2f} | {pct(measured - b, predicted)} |"
+                )
+            else:
+                row += " | | |"
+            lines.append(row)
+    if "chunks" in results:
+        measured, predicted = results["chunks"]["ttft_4096_budget1024"]
+        lines.append(f"\n4,096-token prompt, budget 1,024 (4 chunks): predicted "
+                     f"{predicted * 1e3:.2f} ms, measured {measured * 1e3:.2f} ms "
+                     f"({pct(measured, predicted)})")  # fmt: skip
+    if "load" in results:
+        lines += [f"\nLoad (knee {results['load']['knee_rate']:.1f} req/s)\n",
+                  "| load | req/s | TTFT pred | TTFT | ITL pred | ITL | queue time | "
+                  "waiting at end |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+        for pt in results["load"]["points"]:
+            pred = pt["predicted"]
+            lines.append(f"| {pt['fraction']:.2f} | {pt['offered']:.1f} | "
+                         f"{pred['ttft'] * 1e3:.1f} | {pt['ttft'] * 1e3:.1f} | "
+                         f"{pred['itl'] * 1e3:.2f} | {pt['itl'] * 1e3:.2f} | "
+                         f"{pt['queue'] * 1e3:.1f} | {pt['waiting_at_end']:.0f} |")  # fmt: skip
+    if "kv" in results:
+        lines.append(f"\nKV pressure: {json.dumps(results['kv'])}")
+    if "prefix" in results:
+        lines.append(f"\nPrefix cache: {json.dumps(results['prefix'])}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer repeats, shorter load runs")
@@ -427,6 +479,7 @@ def main() -> None:
     saved.write_text(json.dumps(results, indent=1))
     if results["profiles"]:
         charts(results, args.out)
+    print(markdown(results))
 
 
 if __name__ == "__main__":
