@@ -438,26 +438,36 @@ def main() -> None:
     saved = args.out / "results.json"  # sections not run keep their saved results
     results: Results = json.loads(saved.read_text()) if saved.exists() else {}
     results.setdefault("profiles", {})
-    results["loadavg_at_start"] = os.getloadavg()
+
+    def save(section: str) -> None:
+        """Keep what is measured so far, with the machine's load average (1, 5, 15 min)."""
+        results.setdefault("loadavg", {})[section] = os.getloadavg()
+        args.out.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps(results, indent=1))
+
     if "baseline" in sections:
         limits = ("--num-slots", "256", "--max-num-batched-tokens", "8192")
         with server(*limits) as url:  # the same requests with no step time: the overhead
             results["baseline"] = asyncio.run(profile_section(NO_STEP_TIME, url, repeats))
         print("baseline", json.dumps(results["baseline"]), flush=True)
+        save("baseline")
     if "profiles" in sections:
         for name in args.profiles.split(","):
             p = PROFILES[name]
             with server("--profile", name) as url:
                 results["profiles"][name] = asyncio.run(profile_section(p, url, repeats))
             print(name, json.dumps(results["profiles"][name]), flush=True)
+            save(name)
     if "chunks" in sections:
         with server("--profile", H100, "--max-num-batched-tokens", "1024") as url:
             results["chunks"] = asyncio.run(chunked_section(url, repeats))
         print("chunks", json.dumps(results["chunks"]), flush=True)
+        save("chunks")
     if "load" in sections:
         with server("--profile", H100) as url:
             fractions = [0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.2]
             results["load"] = asyncio.run(load_section(url, seconds, fractions))
+        save("load")
     if "kv" in sections:
         with (
             server("--profile", H100, "--kv-cache-tokens", "8192") as small,
@@ -465,6 +475,7 @@ def main() -> None:
         ):
             results["kv"] = asyncio.run(kv_section(small, roomy))
         print("kv", json.dumps(results["kv"]), flush=True)
+        save("kv")
     if "prefix" in sections:
         results["prefix"] = {}
         for label, flags in (("off", ()), ("on", ("--enable-prefix-caching",))):
@@ -474,9 +485,7 @@ def main() -> None:
         results["prefix"]["predicted"] = {"off": step_s(p, 1024), "on": step_s(p, 1024 - 992),
                                           "hit_rate": 99 * 992 / (100 * 1024)}  # fmt: skip
         print("prefix", json.dumps(results["prefix"]), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    results["loadavg_at_end"] = os.getloadavg()
-    saved.write_text(json.dumps(results, indent=1))
+        save("prefix")
     if results["profiles"]:
         charts(results, args.out)
     print(markdown(results))
