@@ -246,8 +246,9 @@ async def load_point(url: str, rate: float, seconds: float, seed: int) -> Result
             tasks.append(asyncio.create_task(complete(client, url, prompt, LOAD_OUTPUT)))
             t += rng.expovariate(rate)
         waiting = (await scrape(client, url)).get("vllm:num_requests_waiting", 0.0)
-        await asyncio.gather(*tasks)
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
         after = await scrape(client, url)
+    errors = [repr(o) for o in outcomes if isinstance(o, BaseException)]
     return {
         "rate": rate,
         "offered": len(tasks) / seconds,
@@ -255,6 +256,8 @@ async def load_point(url: str, rate: float, seconds: float, seed: int) -> Result
         "itl": mean_of(before, after, "vllm:inter_token_latency_seconds"),
         "queue": mean_of(before, after, "vllm:request_queue_time_seconds"),
         "waiting_at_end": waiting,
+        "client_errors": len(errors),  # connections reset under load (not the server's answer)
+        "first_error": errors[0] if errors else None,
     }
 
 
