@@ -64,13 +64,16 @@ def chunked_ttft_s(p: GpuProfile, prompt: int, budget: int) -> float:
 
 def load_model(p: GpuProfile, rate: float, prompt: int, output: int, slots: int) -> Results:
     """Steady state at ``rate`` requests/s: a step lasts T = b0 + b2*n + b1*P*rate*T with
-    n = rate*O*T running (Little), so T = b0 / (1 - rate*(b2*O + b1*P)); saturated when n
-    would exceed the slots. TTFT ~ the rest of the current step (T/2) plus the step that
-    prefills it (T)."""
+    n = rate*O*T running (Little), so T = b0 / (1 - rate*(b2*O + b1*P)). TTFT ~ the rest of
+    the step under way (T/2) plus the step that admits it, which also prefills its own prompt
+    (T + b1*P). Past the knee every slot is busy: steps last the saturated T and the queue,
+    so TTFT, grows without bound (no steady state: None)."""
     b0, b1, b2 = p.step_us / 1e6, p.prefill_token_us / 1e6, p.decode_token_us / 1e6
-    load = rate * (b2 * output + b1 * prompt)
-    step = b0 / (1 - load) if load < 1 else float("inf")
-    return {"itl": step, "ttft": 1.5 * step, "running": rate * output * step}
+    if rate >= knee_rate(p, prompt, output, slots):
+        step = b0 + b2 * slots + b1 * prompt * slots / output
+        return {"itl": step, "ttft": None, "running": slots}
+    step = b0 / (1 - rate * (b2 * output + b1 * prompt))
+    return {"itl": step, "ttft": 1.5 * step + b1 * prompt, "running": rate * output * step}
 
 
 def knee_rate(p: GpuProfile, prompt: int, output: int, slots: int) -> float:
@@ -223,9 +226,18 @@ async def steady_itl(client: httpx.AsyncClient, url: str, batch: int) -> float:
 
 async def chunked_section(url: str, repeats: int) -> Results:
     p = PROFILES[H100]
+    predicted = chunked_ttft_s(p, 4096, 1024)
+    runs, server_side = [], []
     async with client_for() as client:
-        runs = [(await stream(client, url, prompt_of(4096, r), 2))["ttft"] for r in range(repeats)]
-    return {"ttft_4096_budget1024": (statistics.median(runs), chunked_ttft_s(p, 4096, 1024))}
+        for r in range(repeats):
+            before = await scrape(client, url)
+            runs.append((await stream(client, url, prompt_of(4096, r), 2))["ttft"])
+            after = await scrape(client, url)
+            server_side.append(mean_of(before, after, "vllm:time_to_first_token_seconds"))
+    return {
+        "ttft_4096_budget1024": (statistics.median(runs), predicted),
+        "ttft_4096_budget1024_server": (statistics.median(server_side), predicted),
+    }
 
 
 # --- 2. load ----------------------------------------------------------------------------------
@@ -363,10 +375,14 @@ def charts(results: Results, out: Path) -> None:
     if "load" in results:
         load = results["load"]
         pts = load["points"]
+        for pt in pts:  # the model as it is now (the saved one may be older)
+            pt["predicted"] = load_model(PROFILES[H100], pt["rate"], LOAD_PROMPT, LOAD_OUTPUT, 256)
         fig, ax = plt.subplots(figsize=(7, 4))
         loads = [pt["fraction"] for pt in pts]
         ax.plot(loads, [pt["ttft"] * 1000 for pt in pts], "o-", label="TTFT measured")
-        ax.plot(loads, [pt["predicted"]["ttft"] * 1000 for pt in pts], "--", label="TTFT predicted")
+        below = [pt for pt in pts if pt["predicted"]["ttft"] is not None]
+        ax.plot([pt["fraction"] for pt in below], [pt["predicted"]["ttft"] * 1000 for pt in below],
+                "--", label="TTFT predicted (past the knee: grows)")  # fmt: skip
         ax.plot(loads, [pt["itl"] * 1000 for pt in pts], "s-", label="ITL measured")
         ax.plot(loads, [pt["predicted"]["itl"] * 1000 for pt in pts], ":", label="ITL predicted")
         ax.axvline(1.0, color="grey", lw=0.8)
@@ -407,19 +423,18 @@ def markdown(results: Results) -> str:
             else:
                 row += " | | |"
             lines.append(row)
-    if "chunks" in results:
-        measured, predicted = results["chunks"]["ttft_4096_budget1024"]
-        lines.append(f"\n4,096-token prompt, budget 1,024 (4 chunks): predicted "
-                     f"{predicted * 1e3:.2f} ms, measured {measured * 1e3:.2f} ms "
-                     f"({pct(measured, predicted)})")  # fmt: skip
+    for key, (measured, predicted) in results.get("chunks", {}).items():
+        lines.append(f"\n{key} (4 chunks): predicted {predicted * 1e3:.2f} ms, measured "
+                     f"{measured * 1e3:.2f} ms ({pct(measured, predicted)})")  # fmt: skip
     if "load" in results:
         lines += [f"\nLoad (knee {results['load']['knee_rate']:.1f} req/s)\n",
                   "| load | req/s | TTFT pred | TTFT | ITL pred | ITL | queue time | "
                   "waiting at end |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
         for pt in results["load"]["points"]:
-            pred = pt["predicted"]
-            lines.append(f"| {pt['fraction']:.2f} | {pt['offered']:.1f} | "
-                         f"{pred['ttft'] * 1e3:.1f} | {pt['ttft'] * 1e3:.1f} | "
+            pred = load_model(PROFILES[H100], pt["rate"], LOAD_PROMPT, LOAD_OUTPUT, 256)
+            ttft = "grows" if pred["ttft"] is None else f"{pred['ttft'] * 1e3:.1f}"
+            lines.append(f"| {pt['fraction']:.2f} | {pt['offered']:.1f} | {ttft} | "
+                         f"{pt['ttft'] * 1e3:.1f} | "
                          f"{pred['itl'] * 1e3:.2f} | {pt['itl'] * 1e3:.2f} | "
                          f"{pt['queue'] * 1e3:.1f} | {pt['waiting_at_end']:.0f} |")  # fmt: skip
     if "kv" in results:
