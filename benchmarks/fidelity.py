@@ -135,7 +135,15 @@ async def stream(client: httpx.AsyncClient, url: str, prompt: list[int], tokens:
     return {"ttft": arrivals[0] - start, "itl": gaps, "tokens": len(arrivals)}
 
 
-async def complete(client: httpx.AsyncClient, url: str, prompt: list[int], tokens: int) -> Results:
+def text_of(length: int, salt: int = 0) -> str:
+    """``length`` printable ASCII characters: ``length`` tokens for the byte-level mock, and
+    cheaper than token ids for both sides to encode and parse under load."""
+    return "".join(map(chr, prompt_of(length, salt)))
+
+
+async def complete(
+    client: httpx.AsyncClient, url: str, prompt: list[int] | str, tokens: int
+) -> Results:
     body = {"prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "stream": False}
     r = await client.post(f"{url}/generate", json=body)
     r.raise_for_status()
@@ -254,7 +262,7 @@ async def load_point(url: str, rate: float, seconds: float, seed: int) -> Result
             delay = start + t - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            prompt = prompt_of(LOAD_PROMPT, rng.randrange(1 << 30))
+            prompt = text_of(LOAD_PROMPT, rng.randrange(1 << 30))
             tasks.append(asyncio.create_task(complete(client, url, prompt, LOAD_OUTPUT)))
             t += rng.expovariate(rate)
         waiting = (await scrape(client, url)).get("vllm:num_requests_waiting", 0.0)
@@ -351,25 +359,28 @@ def charts(results: Results, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
-    keys = ["itl_b1", "itl_b8", "itl_b32", "itl_b32_server", "itl_b128_server", "ttft_128",
-            "ttft_1024", "ttft_1024_server", "ttft_4096"]  # fmt: skip
+    keys = ["itl_b1", "itl_b8", "itl_b32", "itl_b1_server", "itl_b8_server", "itl_b32_server",
+            "itl_b128_server", "ttft_128_server", "ttft_1024_server", "ttft_4096_server",
+            "ttft_128", "ttft_1024", "ttft_4096"]  # fmt: skip
     base = results.get("baseline", {})
-    fig, axes = plt.subplots(1, len(results["profiles"]), figsize=(16, 4), squeeze=False)
-    axes = axes[0]
-    for ax, (name, values) in zip(axes, results["profiles"].items(), strict=True):
-        ms = {k: values[k][0] * 1000 for k in keys}
-        bars = {
-            "predicted": [values[k][1] * 1000 for k in keys],
-            "measured": [ms[k] for k in keys],
-            "measured - no-step-time baseline": [ms[k] - base.get(k, [0])[0] * 1000 for k in keys],
-        }
-        for i, (label, heights) in enumerate(bars.items()):
-            ax.bar([j + 0.27 * (i - 1) for j in range(len(keys))], heights, 0.27, label=label)
-        ax.set_xticks(range(len(keys)), [k.replace("_server", "*") for k in keys], rotation=45,
-                      fontsize=7)  # fmt: skip
-        ax.set_title(name, fontsize=9)
-        ax.set_ylabel("ms")
-    axes[0].legend(fontsize=7)
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    width = 0.8 / max(len(results["profiles"]), 1)
+    for i, (name, values) in enumerate(results["profiles"].items()):
+        deviations = []
+        for k in keys:
+            measured, predicted = values[k]
+            if k.startswith("ttft") and not k.endswith("_server"):  # client: less HTTP overhead
+                measured -= base.get(k, [0.0])[0]
+            deviations.append(100 * (measured / predicted - 1))
+        ax.bar([j + width * (i - 1.5) for j in range(len(keys))], deviations, width, label=name)
+    ax.axhspan(-5, 5, color="green", alpha=0.1, label="within 5%")
+    ax.axhline(0, color="black", lw=0.6)
+    labels = [k.replace("_server", " (server)") if k.endswith("_server") or k.startswith("itl")
+              else f"{k} (client - baseline)" for k in keys]  # fmt: skip
+    ax.set_xticks(range(len(keys)), labels, rotation=40, ha="right", fontsize=8)
+    ax.set_ylabel("measured / predicted - 1 (%)")
+    ax.set_title("Each profile against its own prediction (median of repeats, over HTTP)")
+    ax.legend(fontsize=8, ncol=3)
     fig.tight_layout()
     fig.savefig(out / "profiles.png", dpi=90)
     if "load" in results:
