@@ -51,6 +51,9 @@ def _add_flag(
 
 
 def _literal_choices(annotation: Any) -> list[str] | None:
+    args = typing.get_args(annotation)
+    if type(None) in args and len(args) == 2:  # an optional choice: Literal[...] | None
+        annotation = next(arg for arg in args if arg is not type(None))
     if typing.get_origin(annotation) is typing.Literal:
         return [str(arg) for arg in typing.get_args(annotation)]
     return None
@@ -91,6 +94,7 @@ def _describe(error: Any) -> str:
 
 def serve(settings: Settings) -> None:
     from app.api.app import create_app
+    from app.engine.errors import UnsupportedFeatureError
     from app.server import run
 
     logging.basicConfig(
@@ -101,7 +105,11 @@ def serve(settings: Settings) -> None:
         "serving %s on %s:%d with %d slots (api key %s)",
         settings.model_name, settings.host, settings.port, settings.num_slots, key,
     )  # fmt: skip
-    run(create_app(settings), settings.host, settings.port, settings.log_level)
+    try:
+        app = create_app(settings)
+    except UnsupportedFeatureError as err:  # e.g. --enable-prefix-caching on a model without it
+        raise SystemExit(f"slotserve: error: {err}") from None
+    run(app, settings.host, settings.port, settings.log_level)
 
 
 if __name__ == "__main__":

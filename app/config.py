@@ -11,6 +11,8 @@ from typing import Literal, Self
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.profiles import ProfileName, profile_settings
+
 FAILURE_TYPES = (
     "rate_limit",
     "invalid_api_key",
@@ -88,6 +90,14 @@ class Settings(BaseSettings):
     model: Literal["mock", "cached-mock"] = Field(
         "cached-mock", description="built-in model: stateless mock or per-slot KV-cache mock"
     )
+    profile: ProfileName | None = Field(
+        None,
+        description="GPU preset of the step clock, slots, context, budget and KV capacity "
+        "(docs/fidelity.md); flags set explicitly win",
+    )
+    enable_prefix_caching: bool = Field(
+        False, description="reuse the KV blocks of prompt prefixes already computed"
+    )
     mock_step_ms: float = Field(0.0, ge=0, description="step clock: ms per step (b0)")
     mock_per_seq_ms: float = Field(0.0, ge=0, description="step clock: ms per decode token (b2)")
     mock_prefill_ms: float = Field(0.0, ge=0, description="step clock: ms per prefill token (b1)")
@@ -148,6 +158,17 @@ class Settings(BaseSettings):
                 f"--kv-cache-tokens ({self.kv_cache_tokens}) must hold at least one block "
                 f"(--block-size {self.block_size})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _apply_profile(self) -> Self:
+        """Fill in the profile's values for every field the user did not set."""
+        if self.profile is not None:
+            explicit = set(self.model_fields_set)
+            for name, value in profile_settings(self.profile).items():
+                if name not in explicit:
+                    setattr(self, name, value)
+            self.__pydantic_fields_set__ = explicit  # presets are not the user's choices
         return self
 
     @model_validator(mode="after")

@@ -90,7 +90,7 @@ class ObserverErrors(Collector):
 class EngineMetrics:
     """Implements ``EngineObserver``; owns its own registry (one per app, test-friendly)."""
 
-    def __init__(self, model_name: str, num_slots: int) -> None:
+    def __init__(self, model_name: str, num_slots: int, profile: str | None = None) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.num_slots = num_slots
@@ -113,6 +113,11 @@ class EngineMetrics:
         )
         self.slots_total = gauge("slotserve:slots_total", "Batch slots.")
         self.slots_occupied = gauge("slotserve:slots_occupied", "Batch slots holding a request.")
+        self.profile_info = Gauge(
+            "slotserve:profile_info", "The GPU profile the step clock imitates (1; none: unset).",
+            [*names, "profile"], registry=reg,
+        )  # fmt: skip
+        self.profile_info.labels(model_name, profile or "none").set(1)
         self.slots_out_of_service = gauge(
             "slotserve:slots_out_of_service", "Slots whose cache the model failed to reset."
         )
@@ -127,6 +132,12 @@ class EngineMetrics:
         self.model_failures = counter("slotserve:model_call_failures_total", "Failed model calls.")
         self.preemptions = counter(
             "vllm:num_preemptions_total", "Requests preempted (their slot taken back)."
+        )
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_hits = counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled)."
         )
         self.injected_failures = counter(
             "slotserve:injected_failures_total", "Failures injected on purpose.", ["type"]
@@ -158,6 +169,8 @@ class EngineMetrics:
         self._prompt_tokens = self.prompt_tokens.labels(model_name)
         self._generation_tokens = self.generation_tokens.labels(model_name)
         self._preemptions = self.preemptions.labels(model_name)
+        self._prefix_queries = self.prefix_queries.labels(model_name)
+        self._prefix_hits = self.prefix_hits.labels(model_name)
         export_at_zero(self.success, *[(model_name, reason.value) for reason in FinishReason])
         export_at_zero(self.rejected, *[(model_name, reason) for reason in REJECT_REASONS])
         for metric in (self.model_failures, self.ttft, self.e2e, self.queue_time,
@@ -191,6 +204,9 @@ class EngineMetrics:
             self._prompt_tokens.inc(sum(seq.prompt_len for seq in out.admitted))
         if out.preempted:
             self._preemptions.inc(len(out.preempted))
+        if out.prefix_queries:
+            self._prefix_queries.inc(out.prefix_queries)
+            self._prefix_hits.inc(out.prefix_hits)
         if outcome.error is not None:
             self.model_failures.labels(self.model_name).inc()
             self._last_step_end = None

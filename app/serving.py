@@ -124,6 +124,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         kv_cache_tokens=settings.kv_cache_tokens or default_kv_cache_tokens(settings),
         max_model_len=settings.max_model_len,
         scheduling=policy_config(settings),
+        enable_prefix_caching=settings.enable_prefix_caching,
         step_costs=costs,
         seed=settings.seed,
     )
@@ -136,7 +137,7 @@ class Serving:
         self.settings = settings
         self.tokenizer = ByteTokenizer()
         self.model = model if model is not None else build_model(settings)
-        self.metrics = EngineMetrics(settings.model_name, settings.num_slots)
+        self.metrics = EngineMetrics(settings.model_name, settings.num_slots, settings.profile)
         self.engine = Engine(self.model, engine_config(settings), observer=self.metrics)
         self.metrics.bind(self.engine.core)
         self.started_at = time.time()

@@ -34,6 +34,7 @@ async def list_models(serving: ServingDep) -> dict[str, Any]:
         "created": int(serving.started_at),
         "owned_by": "slotserve",
         "max_model_len": serving.settings.max_model_len,
+        "profile": serving.settings.profile,  # the GPU the step clock imitates (null: none)
     }
     return {"object": "list", "data": [model]}
 

@@ -37,6 +37,7 @@ class EngineConfig:
     kv_cache_tokens: int | None = None
     max_model_len: int | None = None
     scheduling: PolicyConfig = FCFS  # the scheduling policy (app/engine/policies.py)
+    enable_prefix_caching: bool = False
     step_costs: StepCosts = NO_STEP_TIME  # the simulated step time (zero: none)
     seed: int = 0  # the step clock's jitter
     # Run each model call in a worker thread, unless the model declares ``blocking = False``
@@ -53,6 +54,7 @@ class EngineConfig:
             kv_cache_tokens=self.kv_cache_tokens,
             max_model_len=self.max_model_len,
             scheduling=self.scheduling,
+            enable_prefix_caching=self.enable_prefix_caching,
         )
 
 

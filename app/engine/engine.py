@@ -19,14 +19,19 @@ from enum import Enum, auto
 from typing import TypeVar
 
 from app.engine.core import EngineConfig, EngineCore, EngineObserver
-from app.engine.errors import EngineDeadError, EngineDrainingError, ModelError
+from app.engine.errors import (
+    EngineDeadError,
+    EngineDrainingError,
+    ModelError,
+    UnsupportedFeatureError,
+)
 from app.engine.runner import close_quietly, make_runner
 from app.engine.step import ModelOutput, SchedulerOutput
 from app.engine.step_clock import StepClock, sleep_until
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
 from app.engine.worker import ModelWorker
-from app.models.protocol import Model
+from app.models.protocol import Model, supports_prefix_caching
 
 log = logging.getLogger("slotserve.engine")
 
@@ -63,6 +68,11 @@ class Engine:
     def __init__(
         self, model: Model, config: EngineConfig, observer: EngineObserver | None = None
     ) -> None:
+        if config.enable_prefix_caching and not supports_prefix_caching(model):
+            raise UnsupportedFeatureError(
+                f"prefix caching is not implemented by the model {type(model).__name__} "
+                "(its runner cannot start a prefill after a cached prefix)"
+            )
         self.model = model
         self.config = config
         self.core = EngineCore(make_runner(model, config.num_slots), config, observer)
@@ -75,6 +85,7 @@ class Engine:
         self.death: BaseException | None = None
         self._stopping: asyncio.Task[None] | None = None
         self._stalled_since: float | None = None
+        self._last_deadline: float | None = None  # of the step just run (None: idle since)
 
     @property
     def alive(self) -> bool:
@@ -170,6 +181,7 @@ class Engine:
                     await self._close_runner()
                 if self._inbox.empty():
                     self._idle.set()
+                self._last_deadline = None  # the next step does not follow one
                 message = await self._inbox.get()
                 self._idle.clear()
                 if not self._handle(message):
@@ -180,6 +192,7 @@ class Engine:
             if not out.empty:
                 self._stalled_since = None
             else:  # work waits, but none can run now (every free slot is out of
+                self._last_deadline = None
                 if not await self._wait_for_room():  # service): wait, never spin
                     return
                 continue
@@ -238,8 +251,11 @@ class Engine:
         else:
             result = await self._worker.run(self.core.runner.execute, out)
         if self.clock.enabled:
-            deadline = self.clock.deadline(out.started_at, out.num_prefill_tokens,
-                                           out.num_decode_tokens)  # fmt: skip
+            prefill, decode = out.num_prefill_tokens, out.num_decode_tokens
+            deadline = self.clock.paced_deadline(
+                out.started_at, prefill, decode, self._last_deadline
+            )
+            self._last_deadline = deadline
             await sleep_until(deadline, self.core.clock)
         else:
             await asyncio.sleep(0)  # let streams, submits and aborts run between steps

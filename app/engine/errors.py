@@ -16,6 +16,10 @@ class ModelOutputError(ModelError):
     """The model broke its contract: wrong number of tokens, or a token that is not an integer."""
 
 
+class UnsupportedFeatureError(ValueError):
+    """The engine was configured with a feature its model does not implement."""
+
+
 class EngineError(RuntimeError):
     """Base of the engine's refusals of a submit."""
 

@@ -1,7 +1,9 @@
 """The KV cache's books, defined once, in the scheduler, for every model.
 
 A running request holds ``ceil(num_computed_tokens / block_size)`` blocks; the cache has
-``capacity_tokens // block_size`` blocks. ``vllm:kv_cache_usage_perc`` is blocks in use over
+``capacity_tokens // block_size`` blocks. With a prefix cache, the cached blocks running requests
+share count once each (``PrefixCache.num_referenced``), and cached blocks nobody references
+count as free: they are evicted when needed. ``vllm:kv_cache_usage_perc`` is blocks in use over
 blocks in all. The books are derived from the running requests whenever they are read, so they
 cannot drift from them; while planning a step the scheduler counts down the free blocks it hands
 out, so a step never needs more than the cache holds.
@@ -11,13 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from app.engine.prefix_cache import PrefixCache
 from app.engine.types import Sequence
 
 
 class KVBooks:
     """The cache's size in blocks and the arithmetic on it."""
 
-    def __init__(self, capacity_tokens: int, block_size: int) -> None:
+    def __init__(
+        self, capacity_tokens: int, block_size: int, prefix_cache: PrefixCache | None = None
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if capacity_tokens < block_size:
@@ -27,6 +32,7 @@ class KVBooks:
             )
         self.block_size = block_size
         self.total = capacity_tokens // block_size
+        self.prefix_cache = prefix_cache
 
     @property
     def capacity_tokens(self) -> int:
@@ -36,9 +42,15 @@ class KVBooks:
         return -(-num_tokens // self.block_size)
 
     def used(self, running: Iterable[Sequence]) -> int:
-        """Blocks held by ``running``."""
-        size = self.block_size
-        return sum(-(-seq.num_computed_tokens // size) for seq in running)
+        """Blocks held by ``running``: their own, plus the cached blocks they reference."""
+        size, cache = self.block_size, self.prefix_cache
+        if cache is None:
+            return sum(-(-seq.num_computed_tokens // size) for seq in running)
+        own = sum(
+            -(-seq.num_computed_tokens // size) - (len(seq.prefix.blocks) if seq.prefix else 0)
+            for seq in running
+        )
+        return own + cache.num_referenced
 
     def usage(self, running: Iterable[Sequence]) -> float:
         return self.used(running) / self.total

@@ -15,6 +15,10 @@ prompt is prefilled over several steps while everyone else keeps decoding.
 Which waiting request is admitted, and whether a running one is preempted for it, is the
 scheduling policy's choice (``app/engine/policies.py``); under ``fcfs`` (no policy object) the
 queue is served in order and nothing is preempted but for the KV cache.
+
+With the prefix cache on, an admitted request starts after its prompt's cached leading blocks:
+its first chunk starts there (carrying the cached tokens as ``prefix`` for the model), so the
+step clock charges prefill only for the rest.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from enum import StrEnum
 
 from app.engine.kv_books import KVBooks
 from app.engine.policies import FCFS, Policy, PolicyConfig, make_policy
+from app.engine.prefix_cache import CachedBlock, PrefixCache
 from app.engine.slots import SlotTable
 from app.engine.step import ModelOutput, SchedulerOutput, StepOutcome
 from app.engine.types import FinishReason, RequestStatus, Sequence
@@ -51,6 +56,8 @@ class SchedulerConfig:
     ``block_size`` (None: it never binds). ``max_model_len``: the longest a request can get
     (the API enforces it); a capacity of ``num_slots * max_model_len`` or more never binds
     either, so the scheduler skips the block arithmetic. ``scheduling``: the scheduling policy.
+    ``enable_prefix_caching``: keep the full prompt blocks of requests in a prefix cache
+    (``app.engine.prefix_cache``) and start each admitted request after its cached prefix.
     """
 
     num_slots: int
@@ -61,6 +68,7 @@ class SchedulerConfig:
     kv_cache_tokens: int | None = None
     max_model_len: int | None = None
     scheduling: PolicyConfig = FCFS
+    enable_prefix_caching: bool = False
 
     @property
     def kv_binds(self) -> bool:
@@ -94,7 +102,11 @@ class Scheduler:
         self.config = config
         self.slots = SlotTable(config.num_slots)
         self.waiting = WaitingQueue()
-        self.books = KVBooks(config.kv_cache_tokens or UNBOUNDED, config.block_size)
+        self.prefix_cache = PrefixCache(config.block_size) if config.enable_prefix_caching else None
+        self.books = KVBooks(
+            config.kv_cache_tokens or UNBOUNDED, config.block_size, self.prefix_cache
+        )
+        self._count_blocks = config.kv_binds or self.prefix_cache is not None
         self._budget = config.max_num_batched_tokens or UNBOUNDED
         self._chunk_cap = config.max_prefill_chunk or self._budget
         self._prefilling: list[Sequence] = []  # running, prefill incomplete, admission order
@@ -198,6 +210,8 @@ class Scheduler:
             self._preempt_youngest_prefill(now)
             for seq in self._prefilling:
                 budget -= self._chunk(out, seq, budget)
+        if self.prefix_cache is not None:  # the blocks handed out come from the free ones
+            self.prefix_cache.evict_to(self._free_blocks)
         out.preempted, self._preempted = self._preempted, []
         if policy is not None and policy.charges:
             policy.charge(out)
@@ -248,7 +262,7 @@ class Scheduler:
         cannot take one more token for each, preempt the most recently admitted running
         requests until it can (as vLLM does)."""
         decoding = self._decoding_now()
-        if not self.config.kv_binds:
+        if not self._count_blocks:
             self._free_blocks = UNBOUNDED
             return decoding
         books = self.books
@@ -280,11 +294,13 @@ class Scheduler:
         """Running requests are all prefilling and none has the blocks for its next chunk:
         give the most recently admitted one's blocks to the others."""
         victim = max(self._prefilling, key=lambda s: s.admission)
-        self._free_blocks += self.books.blocks_for(victim.num_computed_tokens)
         self.preempt(victim, now)
+        # nothing was handed out in this step yet: the free blocks are the books' own
+        self._free_blocks = self.books.total - self.books.used(self.slots.running())
 
-    def _chunk(self, out: SchedulerOutput, seq: Sequence, budget: int) -> int:
-        """Schedule the next prefill chunk of ``seq`` within ``budget``; returns its length."""
+    def _chunk(self, out: SchedulerOutput, seq: Sequence, budget: int, first: bool = False) -> int:
+        """Schedule the next prefill chunk of ``seq`` within ``budget``; returns its length.
+        ``first``: its first chunk on a fresh slot (after a cached prefix, if any)."""
         start, books = seq.prefilled, self.books
         room = books.room(start, self._free_blocks)
         size = min(seq.prefill_target - start, self._chunk_cap, budget, room)
@@ -293,8 +309,9 @@ class Scheduler:
         self._free_blocks -= books.blocks_for(start + size) - books.blocks_for(start)
         sample = start + size == seq.prefill_target
         assert seq.slot is not None
+        prefix = seq.tokens[:start] if first and start else ()
         chunk = PrefillChunk(seq.slot, seq.tokens[start : start + size], start, sample,
-                             seq.sampling, seq.request_id)  # fmt: skip
+                             seq.sampling, seq.request_id, prefix)  # fmt: skip
         out.prefill_seqs.append(seq)
         out.prefills.append(chunk)
         out.num_prefill_tokens += size
@@ -309,7 +326,9 @@ class Scheduler:
         policy = self.scheduling
         while (budget > 0 or static) and self.waiting and self.slots.num_free:
             seq = self.waiting.peek() if policy is None else policy.select(self.waiting, now)
-            if not self.books.room(0, self._free_blocks):
+            hits = self._cached_prefix(seq)
+            cost = sum(1 for block in hits if block.refs == 0)  # they leave the free blocks
+            if not self.books.room(0, self._free_blocks - cost):
                 break  # the cache is full: it waits (first come, first served)
             if policy is None:
                 self.waiting.pop()
@@ -318,6 +337,12 @@ class Scheduler:
             self.slots.allocate(seq)
             seq.status = RequestStatus.RUNNING
             seq.prefilled, seq.prefill_target = 0, len(seq.tokens)
+            if self.prefix_cache is not None:
+                self.prefix_cache.acquire(seq, hits)
+                self._free_blocks -= cost
+                seq.prefilled = len(hits) * self.books.block_size
+                out.prefix_queries += seq.prefill_target
+                out.prefix_hits += seq.prefilled
             self._admissions += 1
             seq.admission = self._admissions
             if seq.times.admitted is None:  # its first admission (not a resume)
@@ -326,7 +351,7 @@ class Scheduler:
             else:
                 out.resumed.append(seq)
             self._prefilling.append(seq)
-            budget -= self._chunk(out, seq, budget)
+            budget -= self._chunk(out, seq, budget, first=True)
         return budget
 
     def _take(self, policy: Policy, seq: Sequence, now: float) -> None:
@@ -339,6 +364,13 @@ class Scheduler:
         self.waiting.remove(seq.request_id)
         seq.overtaken = 0  # served: the count restarts
         policy.on_admitted(seq, now, first=seq.times.admitted is None)
+
+    def _cached_prefix(self, seq: Sequence) -> list[CachedBlock]:
+        """The cached leading blocks of ``seq``'s prompt (none without a prefix cache). At
+        least its last token is always computed, to sample from."""
+        if self.prefix_cache is None:
+            return []
+        return self.prefix_cache.lookup(seq, len(seq.tokens) - 1)
 
     def _apply_decodes(self, seqs: list[Sequence], tokens: list[int], outcome: StepOutcome) -> int:
         """The hot path: one token for each decoding request. Returns the tokens applied."""
@@ -373,6 +405,8 @@ class Scheduler:
             if seq.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted while the model ran
             seq.prefilled = chunk.start + len(chunk.token_ids)
+            if self.prefix_cache is not None:
+                self.prefix_cache.publish(seq)
             if token is None:
                 continue
             self._prefilling.remove(seq)
@@ -447,3 +481,5 @@ class Scheduler:
             self._decoding = None
         self._released.append(self.slots.release(seq))
         seq.prefilled = 0
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(seq)

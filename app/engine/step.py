@@ -31,6 +31,8 @@ class SchedulerOutput:
       preempted requests that got a slot again; ``preempted``: requests preempted in this step.
     - ``num_prefill_tokens`` (prompt or recomputed tokens fed) and ``num_decode_tokens``
       (requests fed their last generated token) drive the step clock and the metrics.
+    - ``prefix_queries`` / ``prefix_hits``: tokens of the requests admitted or resumed in this
+      step looked up in the prefix cache, and those found there (not prefilled).
     """
 
     decode_seqs: list[Sequence]
@@ -41,6 +43,8 @@ class SchedulerOutput:
     resumed: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     num_prefill_tokens: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
     started_at: float = 0.0
     _decode_tokens: list[int] | None = None
 

@@ -61,6 +61,21 @@ class StepClock:
     def deadline(self, started_at: float, prefill_tokens: int, decode_tokens: int) -> float:
         return started_at + self.duration(prefill_tokens, decode_tokens)
 
+    def paced_deadline(
+        self, started_at: float, prefill_tokens: int, decode_tokens: int, previous: float | None
+    ) -> float:
+        """The deadline of a step planned at ``started_at`` right after a step that ended at
+        ``previous`` (None: the engine was idle in between). A GPU server's CPU work between
+        steps (applying tokens, streaming, scheduling) is part of its measured b0, so the
+        engine's own is taken out of b0 rather than added to it: the step counts from the
+        previous deadline, or from ``started_at - b0`` if the engine took longer than b0.
+        Back-to-back steps thus come every ``b0 + b1 * p + b2 * d`` while the engine's work
+        between them stays under b0, and no step ends before ``started_at + b1 * p + b2 * d``."""
+        start = started_at
+        if previous is not None:
+            start = max(previous, started_at - self.costs.step_ms / 1000.0)
+        return start + self.duration(prefill_tokens, decode_tokens)
+
 
 NO_STEP_TIME = StepCosts()
 

@@ -11,9 +11,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from app.models.protocol import DEFAULT_SAMPLING, SamplingParams
+
+if TYPE_CHECKING:
+    from app.engine.prefix_cache import PrefixState
 
 
 @dataclass
@@ -102,6 +105,7 @@ class Sequence:
     level: int = 0
     slice_start: int = 0
     slot: int | None = None
+    prefix: PrefixState | None = None  # its prompt's blocks in the prefix cache (when enabled)
     finish_reason: FinishReason | None = None
     error: BaseException | None = None
     times: Timestamps = field(default_factory=Timestamps)

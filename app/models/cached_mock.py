@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from app.models.mock import MockBase
 from app.models.mock_language import MockLanguage
 from app.models.protocol import StepBatch
@@ -18,7 +20,11 @@ class CachedMockModel(MockBase):
     with ``start == 0`` must find the slot's cache empty (released), any other entry must find
     exactly ``start`` (or, for a decode, some) tokens there; otherwise ``SlotReuseError``.
     Releasing is idempotent.
+    A chunk with a cached ``prefix`` must find the slot released too: the prefix is copied into
+    it (the mock's cache is its tokens), so its outputs are those of a full prefill.
     """
+
+    supports_prefix_caching = True
 
     def __init__(
         self, num_slots: int, language: MockLanguage | None = None, *, seed: int = 0
@@ -48,17 +54,19 @@ class CachedMockModel(MockBase):
             cache.append(token)
             out.append(next_token(cache))
         for chunk in batch.prefills:
-            cache = self._prefill(chunk.slot, chunk.token_ids, chunk.start)
+            cache = self._prefill(chunk.slot, chunk.token_ids, chunk.start, chunk.prefix)
             if chunk.sample:
                 out.append(next_token(cache))
         return out
 
-    def _prefill(self, slot: int, tokens: list[int], start: int) -> list[int]:
+    def _prefill(
+        self, slot: int, tokens: list[int], start: int, prefix: Sequence[int]
+    ) -> list[int]:
         cache = self._cache[slot]
-        if start == 0:
+        if start == len(prefix):  # a fresh slot (with a cached prefix when start > 0)
             if cache is not None:
                 raise SlotReuseError(f"slot {slot} got a fresh prefill while its cache is in use")
-            cache = self._cache[slot] = []
+            cache = self._cache[slot] = list(prefix)
         elif cache is None or len(cache) != start:
             held = 0 if cache is None else len(cache)
             raise SlotReuseError(f"slot {slot}: chunk starts at {start}, cache holds {held}")

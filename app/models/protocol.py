@@ -58,7 +58,12 @@ class PrefillChunk:
 
     ``token_ids`` sit at positions ``start .. start + len(token_ids) - 1`` of the request; the
     slot's cache holds exactly the positions before ``start`` (``start == 0``: the cache starts
-    empty). ``sample`` is True when the chunk completes the prefill: the model then returns one
+    empty), except on a prefix-cache hit: then ``prefix`` holds the tokens at positions
+    ``0 .. start - 1``, the slot was released (its cache is empty), and the model must put the
+    prefix's key/values in the slot before processing ``token_ids`` (a mock copies the tokens;
+    a real runner maps the cached blocks, which the engine's prefix cache guarantees it
+    computed). Only a model with ``supports_prefix_caching = True`` ever gets a prefix.
+    ``sample`` is True when the chunk completes the prefill: the model then returns one
     token for this entry, sampled from the logits at the chunk's last position; a partial chunk
     returns nothing. ``request_id`` identifies the request (for per-request sampling state such
     as a seeded generator; it changes whenever the slot is reused).
@@ -70,11 +75,12 @@ class PrefillChunk:
     sample: bool
     sampling: SamplingParams
     request_id: str
+    prefix: Seq[int] = ()
 
     @property
     def fresh(self) -> bool:
-        """The slot's cache starts empty in this step."""
-        return self.start == 0
+        """The slot's cache starts empty in this step (then filled with ``prefix``, if any)."""
+        return self.start == len(self.prefix)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +134,15 @@ class CachedModel(Protocol):
         """The request in ``slot`` ended or was preempted: drop its cache so the slot can be
         reused (a later chunk with ``start == 0`` on this slot must see an empty cache)."""
         ...
+
+
+def supports_prefix_caching(model: object) -> bool:
+    """Whether ``model`` takes prefill chunks that start after a cached ``prefix`` (an optional
+    class attribute ``supports_prefix_caching = True``). A stateless model always does: it is
+    fed each sequence's whole prefix anyway."""
+    if isinstance(model, CachedModel):
+        return getattr(model, "supports_prefix_caching", False) is True
+    return isinstance(model, StatelessModel)
 
 
 Model = StatelessModel | CachedModel

@@ -1,0 +1,154 @@
+"""The prefix cache: KV blocks of prompt prefixes, kept after their request has left, so a later
+request with the same prefix does not prefill it again (vLLM's automatic prefix caching).
+
+Only full prompt blocks are cached. Block ``i`` of a prompt is keyed by a hash along the chain:
+``hash((key of block i-1, tokens of block i))``, so a block's key stands for the whole prefix up
+to its end. A lookup walks a prompt's keys from the first and stops at the first block not
+cached; each entry found is checked against the parent it hangs off and its own tokens, so a
+hash collision is a miss, never a wrong prefix.
+
+An entry is *referenced* by every running request whose KV it is part of, and *free* (evictable)
+when none is: free entries count as free KV blocks, and are evicted least recently used first
+when the blocks are needed (``evict_to``). A request's blocks are freed last block first, so a
+chain's tail goes before its head. The scheduler's books (``KVBooks.used``) count a referenced
+entry once however many requests share it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from app.engine.types import Sequence
+
+
+@dataclass(eq=False, slots=True)
+class CachedBlock:
+    """One cached block: its chain key, the block it follows, its tokens, its references."""
+
+    key: int
+    parent: CachedBlock | None
+    tokens: tuple[int, ...]
+    refs: int = 0
+
+
+@dataclass(slots=True)
+class PrefixState:
+    """A request's view of the cache. ``keys``: the chain keys of its full prompt blocks.
+    ``blocks``: the entries it references (its hits, then the blocks it computed and
+    published). ``checked``: its leading full prompt blocks already hit or published (a block
+    another request published first stays the request's own, as in vLLM)."""
+
+    keys: list[int]
+    blocks: list[CachedBlock] = field(default_factory=list)
+    checked: int = 0
+
+
+class PrefixCache:
+    """Cached prompt blocks by chain key; the free ones in least-recently-used order."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._entries: dict[int, CachedBlock] = {}
+        self._free: OrderedDict[int, CachedBlock] = OrderedDict()  # refs == 0, LRU first
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._entries)
+
+    @property
+    def num_free(self) -> int:
+        """Cached blocks no running request references (evictable: they count as free)."""
+        return len(self._free)
+
+    @property
+    def num_referenced(self) -> int:
+        """Cached blocks in use by running requests (each counted once)."""
+        return len(self._entries) - len(self._free)
+
+    def state(self, seq: Sequence) -> PrefixState:
+        """``seq``'s prefix state, its prompt's chain keys computed at its first lookup."""
+        if seq.prefix is None:
+            size, parent, keys = self.block_size, 0, []
+            prompt = seq.tokens[: seq.prompt_len]
+            for start in range(0, len(prompt) - size + 1, size):
+                parent = hash((parent, *prompt[start : start + size]))
+                keys.append(parent)
+            seq.prefix = PrefixState(keys)
+        return seq.prefix
+
+    def lookup(self, seq: Sequence, max_tokens: int) -> list[CachedBlock]:
+        """The cached leading blocks of ``seq``'s prompt, at most ``max_tokens`` tokens' worth.
+        Nothing is referenced yet (see ``acquire``)."""
+        state, size, tokens = self.state(seq), self.block_size, seq.tokens
+        found: list[CachedBlock] = []
+        parent: CachedBlock | None = None
+        for i, key in enumerate(state.keys[: max_tokens // size]):
+            block = self._entries.get(key)
+            if block is None or block.parent is not parent:
+                break
+            if block.tokens != tuple(tokens[i * size : (i + 1) * size]):
+                break  # a hash collision
+            found.append(block)
+            parent = block
+        return found
+
+    def acquire(self, seq: Sequence, blocks: list[CachedBlock]) -> None:
+        """``seq`` (just given a slot) starts from ``blocks``, the result of ``lookup``."""
+        state = self.state(seq)
+        for block in blocks:
+            self._ref(block)
+        state.blocks = list(blocks)
+        state.checked = len(blocks)
+
+    def publish(self, seq: Sequence) -> None:
+        """``seq`` has computed up to ``seq.prefilled``: cache its newly full prompt blocks it
+        is the first to compute (it references them from now on)."""
+        state = seq.prefix
+        assert state is not None
+        size, tokens, keys, entries = self.block_size, seq.tokens, state.keys, self._entries
+        done = min(seq.prefilled, seq.prompt_len) // size
+        for i in range(state.checked, done):
+            parent = entries.get(keys[i - 1]) if i else None
+            if i and parent is None:
+                break  # the chain is broken (its head was evicted): nothing past it is found
+            block = entries.get(keys[i])
+            if block is not None and block.refs == 0 and block.parent is not parent:
+                self._drop(block)  # a stale entry (its parent was evicted): replace it
+                block = None
+            if block is None:
+                block = CachedBlock(keys[i], parent, tuple(tokens[i * size : (i + 1) * size]))
+                entries[keys[i]] = block
+                self._ref(block)
+                state.blocks.append(block)
+        state.checked = max(state.checked, done)
+
+    def release(self, seq: Sequence) -> None:
+        """``seq`` left its slot: drop its references (its last block is freed first)."""
+        state = seq.prefix
+        if state is None:
+            return
+        for block in reversed(state.blocks):
+            block.refs -= 1
+            if block.refs == 0:
+                self._free[block.key] = block
+        state.blocks, state.checked = [], 0
+
+    def evict_to(self, max_free: int) -> int:
+        """Evict least recently used free blocks until at most ``max_free`` are left (the
+        blocks the scheduler handed out came from the free ones). Returns how many went."""
+        evicted = 0
+        while len(self._free) > max(max_free, 0):
+            _, block = self._free.popitem(last=False)
+            del self._entries[block.key]
+            evicted += 1
+        return evicted
+
+    def _ref(self, block: CachedBlock) -> None:
+        if block.refs == 0:
+            self._free.pop(block.key, None)
+        block.refs += 1
+
+    def _drop(self, block: CachedBlock) -> None:
+        self._free.pop(block.key, None)
+        del self._entries[block.key]

@@ -1,0 +1,64 @@
+"""Back-to-back steps are paced from the previous deadline: the engine's own work between
+steps is taken out of b0 (a GPU server's measured b0 contains its CPU work), never added."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.engine.core import EngineConfig
+from app.engine.engine import Engine
+from app.engine.step_clock import StepClock, StepCosts
+from app.engine.types import Sequence
+from app.models.mock import MockModel
+
+CLOCK = StepClock(StepCosts(step_ms=5.0, prefill_token_ms=0.01, decode_token_ms=0.1))
+
+
+def test_after_idle_a_step_lasts_its_duration_from_its_start() -> None:
+    assert CLOCK.paced_deadline(10.0, 100, 4, None) == pytest.approx(10.0 + 0.0064)
+
+
+def test_overhead_under_b0_is_absorbed_so_steps_come_every_duration() -> None:
+    previous = 10.0
+    # the engine took 3 ms after the previous deadline to plan this step: still 5.4 ms apart
+    assert CLOCK.paced_deadline(previous + 0.003, 0, 4, previous) == pytest.approx(10.0054)
+
+
+def test_overhead_over_b0_is_only_absorbed_up_to_b0() -> None:
+    previous = 10.0
+    # 8 ms of overhead: b0 (5 ms) of it is absorbed, the rest delays the step
+    deadline = CLOCK.paced_deadline(previous + 0.008, 0, 4, previous)
+    assert deadline == pytest.approx(10.008 - 0.005 + 0.0054)
+    assert deadline >= previous + 0.008 + 0.0004 - 1e-9  # never before start + b1*p + b2*d
+
+
+class RecordingClock(StepClock):
+    """Records the ``previous`` deadline the engine passes for each step."""
+
+    def __init__(self, costs: StepCosts) -> None:
+        super().__init__(costs)
+        self.previous: list[float | None] = []
+
+    def paced_deadline(
+        self, started_at: float, prefill_tokens: int, decode_tokens: int, previous: float | None
+    ) -> float:
+        self.previous.append(previous)
+        return super().paced_deadline(started_at, prefill_tokens, decode_tokens, previous)
+
+
+async def test_the_engine_paces_back_to_back_steps_and_restarts_after_idle() -> None:
+    engine = Engine(MockModel(), EngineConfig(num_slots=2, step_costs=StepCosts(step_ms=1.0)))
+    clock = engine.clock = RecordingClock(engine.config.step_costs)
+    await engine.start()
+    try:
+        for run in range(2):
+            stream = engine.submit(Sequence(f"r{run}", [72, 105], 3, frozenset()))
+            tokens, _, _ = await stream.collect()
+            assert len(tokens) == 3
+            await engine.wait_idle()
+    finally:
+        await engine.stop()
+    # each request: a first step after idle (no previous), then two paced steps
+    first, second = clock.previous[:3], clock.previous[3:]
+    assert first[0] is None and second[0] is None
+    assert all(p is not None for p in first[1:] + second[1:])
