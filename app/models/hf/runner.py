@@ -52,6 +52,18 @@ class HFModel:
     def step(self, batch: StepBatch) -> list[int]:
         if not batch.decode_slots and not batch.prefills:
             return []
+        logits, params, positions = self._run(batch)
+        with torch.inference_mode():
+            return self._sampler.sample(logits, params, positions)
+
+    def step_logits(self, batch: StepBatch) -> torch.Tensor:
+        """Runs ``batch`` exactly as ``step`` does (the cache advances) but returns the float32
+        logits of its output rows instead of sampling (for tests and benchmarks)."""
+        return self._run(batch)[0]
+
+    def _run(self, batch: StepBatch) -> tuple[torch.Tensor, list[SamplingParams], list[int]]:
+        """One forward pass; returns the output rows' logits, sampling parameters and the
+        positions the sampled tokens will take."""
         lengths = self.cache.lengths
         decode_slots = list(batch.decode_slots)
         decode_positions = [lengths[slot] for slot in decode_slots]
@@ -79,14 +91,13 @@ class HFModel:
             logits = self._forward(
                 torch.tensor(tokens, device=self.device),
                 layout,
-                torch.tensor(rows, device=self.device),
+                torch.tensor(rows, device=self.device, dtype=torch.long),
             )
-            chosen = self._sampler.sample(logits, params, positions)
         for slot in decode_slots:
             lengths[slot] += 1
         for chunk in batch.prefills:
             lengths[chunk.slot] = chunk.start + len(chunk.token_ids)
-        return chosen
+        return logits, params, positions
 
     def _check_chunk(self, chunk: PrefillChunk) -> None:
         cached = self.cache.lengths[chunk.slot]
