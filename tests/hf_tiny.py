@@ -117,16 +117,19 @@ class DriverRequest:
 class Driver:
     """Runs requests through a cached model as the engine does: FIFO admission into free slots,
     at most ``chunk`` prompt tokens per request per step, releases on finish. ``preempt_at``
-    (step -> request id) releases that request's slot and requeues it at the front to be
-    re-prefilled from position 0 with prompt + generated; ``cancel_at`` ends it."""
+    (step -> request id, or None for the request admitted last, vLLM's victim) releases that
+    request's slot and requeues it at the front, to be re-prefilled from position 0 with prompt +
+    generated; ``cancel_at`` (step -> id, or None for the oldest running request) ends it."""
 
     model: CachedModel
     num_slots: int
     chunk: int = 1 << 30
-    preempt_at: dict[int, str] = field(default_factory=dict)
-    cancel_at: dict[int, str] = field(default_factory=dict)
+    preempt_at: dict[int, str | None] = field(default_factory=dict)
+    cancel_at: dict[int, str | None] = field(default_factory=dict)
     steps: int = 0
-    interrupted: list[str] = field(default_factory=list)  # ids preempted or cancelled, in order
+    preempted: list[str] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    _admitted: list[str] = field(default_factory=list)
 
     def run(
         self, requests: Sequence[DriverRequest], arrivals: Sequence[int] | None = None
@@ -146,6 +149,7 @@ class Driver:
                 request = waiting.pop(0)
                 request.slot = free.pop(0)
                 running[request.slot] = request
+                self._admitted.append(request.rid)
             self._step(running, done)
             self.steps += 1
         return done
@@ -157,17 +161,23 @@ class Driver:
         done: dict[str, list[int]],
     ) -> None:
         for table, requeue in ((self.preempt_at, True), (self.cancel_at, False)):
-            rid = table.get(self.steps)
+            if self.steps not in table or not running:
+                continue
+            rid = table[self.steps]
+            if rid is None:
+                ranked = sorted(running.values(), key=lambda r: self._admitted.index(r.rid))
+                rid = ranked[-1 if requeue else 0].rid
             victim = next((r for r in running.values() if r.rid == rid), None)
             if victim is None:
                 continue
             del running[victim.slot]
             self.model.release(victim.slot)
-            self.interrupted.append(victim.rid)
             victim.computed = 0
             if requeue:
+                self.preempted.append(victim.rid)
                 waiting.insert(0, victim)
             else:
+                self.cancelled.append(victim.rid)
                 done[victim.rid] = victim.generated
 
     def _step(self, running: dict[int, DriverRequest], done: dict[str, list[int]]) -> None:
