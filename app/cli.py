@@ -40,6 +40,8 @@ def _add_flag(
     choices = _literal_choices(annotation)
     if choices:
         kwargs["choices"] = choices
+    elif annotation is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
     elif annotation in (int, float):
         kwargs["type"] = annotation
     shown = "(unset)" if default is None else default
@@ -72,7 +74,9 @@ def parse(argv: Sequence[str] | None = None) -> tuple[str, Settings]:
 
 
 def _describe(error: Any) -> str:
-    name = str(error["loc"][0]) if error.get("loc") else "settings"
+    if not error.get("loc"):  # a rule between settings: its message names the flags
+        return str(error["msg"]).removeprefix("Value error, ")
+    name = str(error["loc"][0])
     flag = "--" + name.replace("_", "-")
     got = "" if name == "api_key" else f", got {error.get('input')!r}"  # a key is never shown
     return f"{flag} (SLOTSERVE_{name.upper()}): {error['msg']}{got}"

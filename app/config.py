@@ -6,10 +6,19 @@ variable (``SLOTSERVE_NUM_SLOTS``); a flag wins over the environment, which wins
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Self
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+FAILURE_TYPES = (
+    "rate_limit",
+    "invalid_api_key",
+    "context_length",
+    "server_error",
+    "model_not_found",
+    "engine_overloaded",
+)  # the failures --failure-types may name (see app/api/faults.py)
 
 
 class Settings(BaseSettings):
@@ -21,6 +30,16 @@ class Settings(BaseSettings):
     max_waiting: int = Field(1024, ge=0, description="waiting-queue bound; past it: 429")
     max_model_len: int = Field(8192, ge=2, description="context length: prompt + max_tokens")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request omits it")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="token budget per step (decode + prefill); >= --num-slots"
+    )
+    max_prefill_chunk: int | None = Field(
+        None, ge=1, description="prompt tokens one request may prefill per step (unset: budget)"
+    )
+    block_size: int = Field(16, ge=1, le=1024, description="KV-cache block size (tokens)")
+    kv_cache_tokens: int | None = Field(
+        None, ge=1, description="KV-cache capacity in tokens (unset: slots x max-model-len)"
+    )
     batching: Literal["continuous", "static"] = Field(
         "continuous", description="admission policy (static: only into an empty batch)"
     )
@@ -28,15 +47,17 @@ class Settings(BaseSettings):
     model: Literal["mock", "cached-mock"] = Field(
         "cached-mock", description="built-in model: stateless mock or per-slot KV-cache mock"
     )
-    mock_step_ms: float = Field(0.0, ge=0, description="simulated decode step latency (ms)")
-    mock_per_seq_ms: float = Field(0.0, ge=0, description="extra step latency per sequence (ms)")
-    mock_prefill_ms: float = Field(0.0, ge=0, description="extra latency per prompt token (ms)")
+    mock_step_ms: float = Field(0.0, ge=0, description="step clock: ms per step (b0)")
+    mock_per_seq_ms: float = Field(0.0, ge=0, description="step clock: ms per decode token (b2)")
+    mock_prefill_ms: float = Field(0.0, ge=0, description="step clock: ms per prefill token (b1)")
     mock_jitter: float = Field(0.0, ge=0, le=0.3, description="step latency std-dev / mean")
     mock_stop_probability: float = Field(
         0.01, ge=0, le=1, description="chance per token that the mock ends its output"
     )
     seed: int = Field(
-        0, description="mock model seed (a request's seed field is accepted, not used)"
+        0,
+        description="seed of the mock model and of injected failures (a request's seed field "
+        "is accepted, not used)",
     )
     api_key: SecretStr | None = Field(None, description="require 'Authorization: Bearer <key>'")
     shutdown_grace: float = Field(10.0, ge=0, description="seconds in-flight streams may finish")
@@ -44,3 +65,36 @@ class Settings(BaseSettings):
     send_timeout: float = Field(30.0, gt=0, description="seconds a slow reader may stall a send")
     sse_ping_seconds: float = Field(15.0, gt=0, description="SSE keep-alive comment interval")
     log_level: str = Field("info", description="uvicorn and slotserve log level")
+    failure_rate: float = Field(
+        0.0, ge=0, le=1, description="share of generation requests failed on purpose"
+    )
+    failure_types: str = Field(
+        ",".join(FAILURE_TYPES), description="comma list of the failures --failure-rate injects"
+    )
+    failure_mid_stream_rate: float = Field(
+        0.0, ge=0, le=1, description="share of streams broken after a random number of tokens"
+    )
+    allow_fault_headers: bool = Field(
+        False, description="honour x-slotserve-fail and x-slotserve-fail-after (tests only)"
+    )
+
+    @field_validator("failure_types")
+    @classmethod
+    def _known_failure_types(cls, value: str) -> str:
+        names = [name.strip() for name in value.split(",") if name.strip()]
+        unknown = [name for name in names if name not in FAILURE_TYPES]
+        if unknown or not names:
+            raise ValueError(
+                f"unknown failure type {', '.join(map(repr, unknown)) or '(none given)'}; "
+                f"choose from {', '.join(FAILURE_TYPES)}"
+            )
+        return ",".join(dict.fromkeys(names))
+
+    @model_validator(mode="after")
+    def _budget_covers_every_slot(self) -> Self:
+        if self.max_num_batched_tokens < self.num_slots:
+            raise ValueError(
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= "
+                f"--num-slots ({self.num_slots}) so every running request decodes every step"
+            )
+        return self

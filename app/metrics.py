@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
 from prometheus_client import (
@@ -19,12 +19,12 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
 )
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from app.engine.core import EngineCore
-from app.engine.scheduler import StepPlan
-from app.engine.types import Sequence
+from app.engine.step import StepOutcome
+from app.engine.types import FinishReason, Sequence
 
 log = logging.getLogger("slotserve.requests")
 disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series: dashboards do not use them
@@ -34,6 +34,16 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
                0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)  # fmt: skip
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+# Every reason ``EngineMetrics.reject`` is called with (app/serving.py).
+REJECT_REASONS = ("queue_full", "duplicate_id", "draining", "engine_dead")
+
+
+def export_at_zero(metric: Counter | Histogram, *label_values: Seq[str]) -> None:
+    """Create ``metric``'s series for each tuple of label values now, at 0, so that it is on
+    /metrics before its first event: a panel or alert then reads 0 instead of "No data"
+    (Prometheus's advice on missing metrics)."""
+    for values in label_values:
+        metric.labels(*values)
 
 
 class WeightedHistogram(Collector):
@@ -61,6 +71,22 @@ class WeightedHistogram(Collector):
         yield family
 
 
+class ObserverErrors(Collector):
+    """``slotserve:observer_errors_total``: exceptions this observer raised into the engine,
+    which contained them (read from the engine, so it counts even when metrics are broken)."""
+
+    def __init__(self, core: EngineCore, labels: dict[str, str]) -> None:
+        self.core, self.labels = core, labels
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "slotserve:observer_errors", "Errors raised by the metrics observer (contained).",
+            labels=list(self.labels),
+        )  # fmt: skip
+        family.add_metric(list(self.labels.values()), sum(self.core.observer_errors.values()))
+        yield family
+
+
 class EngineMetrics:
     """Implements ``EngineObserver``; owns its own registry (one per app, test-friendly)."""
 
@@ -82,9 +108,14 @@ class EngineMetrics:
 
         self.running = gauge("vllm:num_requests_running", "Requests in a batch slot.")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting for a slot.")
-        self.cache_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of slot caches in use.")
+        self.cache_usage = gauge(
+            "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1)."
+        )
         self.slots_total = gauge("slotserve:slots_total", "Batch slots.")
         self.slots_occupied = gauge("slotserve:slots_occupied", "Batch slots holding a request.")
+        self.slots_out_of_service = gauge(
+            "slotserve:slots_out_of_service", "Slots whose cache the model failed to reset."
+        )
         self.prompt_tokens = counter("vllm:prompt_tokens_total", "Prefilled prompt tokens.")
         self.generation_tokens = counter("vllm:generation_tokens_total", "Generated tokens.")
         self.success = counter(
@@ -94,6 +125,12 @@ class EngineMetrics:
             "slotserve:requests_rejected_total", "Requests refused before queueing.", ["reason"]
         )
         self.model_failures = counter("slotserve:model_call_failures_total", "Failed model calls.")
+        self.preemptions = counter(
+            "vllm:num_preemptions_total", "Requests preempted (their slot taken back)."
+        )
+        self.injected_failures = counter(
+            "slotserve:injected_failures_total", "Failures injected on purpose.", ["type"]
+        )  # app/api/faults.py: not model-call failures, not rejections
         self.ttft = histogram(
             "vllm:time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS
         )
@@ -120,36 +157,49 @@ class EngineMetrics:
         self._step_duration = self.step_duration.labels(model_name)
         self._prompt_tokens = self.prompt_tokens.labels(model_name)
         self._generation_tokens = self.generation_tokens.labels(model_name)
+        self._preemptions = self.preemptions.labels(model_name)
+        export_at_zero(self.success, *[(model_name, reason.value) for reason in FinishReason])
+        export_at_zero(self.rejected, *[(model_name, reason) for reason in REJECT_REASONS])
+        for metric in (self.model_failures, self.ttft, self.e2e, self.queue_time,
+                       self.prompt_len, self.gen_len):  # fmt: skip
+            export_at_zero(metric, (model_name,))
 
-    def bind(self, core: EngineCore, cache_usage: Callable[[], float] | None = None) -> None:
+    def bind(self, core: EngineCore) -> None:
         """Read the gauges from ``core`` at scrape time."""
-        name = self.model_name
+        name, books, table = self.model_name, core.scheduler.books, core.scheduler.slots
         self.running.labels(name).set_function(lambda: core.num_running)
         self.waiting.labels(name).set_function(lambda: core.num_waiting)
         self.slots_occupied.labels(name).set_function(lambda: core.num_running)
         self.slots_total.labels(name).set(core.config.num_slots)
-        usage = cache_usage or (lambda: core.num_running / core.config.num_slots)
-        self.cache_usage.labels(name).set_function(usage)
+        self.cache_usage.labels(name).set_function(lambda: books.usage(table.running()))
+        slots = core.scheduler.slots
+        self.slots_out_of_service.labels(name).set_function(lambda: len(slots.out_of_service))
+        self.registry.register(ObserverErrors(core, {"model_name": name}))
 
     def reject(self, reason: str) -> None:
         self.rejected.labels(self.model_name, reason).inc()
 
-    def on_step(self, plan: StepPlan, ended: float) -> None:
-        """One model call ended at ``ended``. Counts its prefill and generated tokens (a token
-        for a request aborted during the call is not counted) or its failure, and observes the
-        step duration and the inter-token latency: the time since the previous step, weighted
-        by the sequences that got a token in both steps."""
-        self._step_duration.observe(ended - plan.started_at)
-        if plan.admitted:
-            self._prompt_tokens.inc(sum(seq.prompt_len for seq in plan.admitted))
-        if plan.error is not None:
+    def on_step(self, outcome: StepOutcome) -> None:
+        """One model call ended. Counts its prompt tokens (a request's prompt once, however
+        often it is preempted and recomputed), generated tokens (a token for a request aborted
+        during the call is not counted), preemptions, or its failure; observes the step duration
+        and the inter-token latency: the time since the previous step, weighted by the decode
+        requests that got a token (each continues from the previous step)."""
+        out, ended = outcome.output, outcome.ended_at
+        self._step_duration.observe(ended - out.started_at)
+        if out.admitted:
+            self._prompt_tokens.inc(sum(seq.prompt_len for seq in out.admitted))
+        if out.preempted:
+            self._preemptions.inc(len(out.preempted))
+        if outcome.error is not None:
             self.model_failures.labels(self.model_name).inc()
             self._last_step_end = None
             return
-        self._generation_tokens.inc(plan.applied)
+        self._generation_tokens.inc(outcome.num_generated)
         if self._last_step_end is not None:
-            self.itl.observe(ended - self._last_step_end, len(plan.batch) - len(plan.admitted))
-        self._last_step_end = ended if len(plan.batch) > len(plan.finished) else None
+            self.itl.observe(ended - self._last_step_end, outcome.num_decode_generated)
+        running = len(out.decode_seqs) + len(out.prefill_seqs) > len(outcome.finished)
+        self._last_step_end = ended if running else None
 
     def on_finished(self, seq: Sequence) -> None:
         name, times = self.model_name, seq.times

@@ -8,26 +8,35 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from app.api.errors import APIError
 from app.config import Settings
 from app.engine.core import EngineConfig
 from app.engine.engine import Engine
 from app.engine.errors import (
     DuplicateRequestError,
-    EngineDeadError,
     EngineDrainingError,
+    EngineError,
     QueueFullError,
 )
 from app.engine.scheduler import BatchingPolicy
+from app.engine.step_clock import StepCosts
+from app.engine.stop_strings import StopStrings
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
 from app.metrics import EngineMetrics
 from app.models.cached_mock import CachedMockModel
-from app.models.latency import LatencyProfile
 from app.models.mock import MockModel
 from app.models.mock_language import MockLanguage
-from app.models.protocol import Model
+from app.models.protocol import DEFAULT_SAMPLING, Model, SamplingParams
 from app.models.tokenizer import ByteTokenizer
+
+
+class InvalidRequestError(ValueError):
+    """A request the model cannot take (empty prompt, unknown token id, too long for the
+    context): the client's mistake. ``param`` names the field, ``code`` the kind."""
+
+    def __init__(self, message: str, param: str, code: str) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 @dataclass(slots=True)
@@ -37,23 +46,58 @@ class GenerationParams:
     prompt: list[int]
     max_tokens: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    stop_strings: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     request_id: str | None = None
     priority: int = 0
+    sampling: SamplingParams = DEFAULT_SAMPLING
+    user: str | None = None
+
+
+REJECTION_REASONS: dict[type[EngineError], str] = {
+    QueueFullError: "queue_full",
+    DuplicateRequestError: "duplicate_id",
+    EngineDrainingError: "draining",
+}  # the reason label of slotserve:requests_rejected_total; any other refusal: engine_dead
+
+
+def context_length_error(prompt_len: int, max_tokens: int, context: int) -> InvalidRequestError:
+    """A prompt plus ``max_tokens`` that does not fit in the context length."""
+    return InvalidRequestError(
+        f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context length "
+        f"of {context} tokens",
+        "max_tokens", "context_length_exceeded",
+    )  # fmt: skip
 
 
 def build_model(settings: Settings) -> Model:
-    """The built-in mock named by ``settings.model``, with the configured latency."""
+    """The built-in mock named by ``settings.model``."""
     language = MockLanguage(seed=settings.seed, stop_probability=settings.mock_stop_probability)
-    latency = LatencyProfile(
-        base_ms=settings.mock_step_ms,
-        per_seq_ms=settings.mock_per_seq_ms,
-        per_prefill_token_ms=settings.mock_prefill_ms,
+    if settings.model == "mock":
+        return MockModel(language)
+    return CachedMockModel(settings.num_slots, language)
+
+
+def engine_config(settings: Settings) -> EngineConfig:
+    """The engine's limits and step clock from the settings."""
+    costs = StepCosts(
+        step_ms=settings.mock_step_ms,
+        prefill_token_ms=settings.mock_prefill_ms,
+        decode_token_ms=settings.mock_per_seq_ms,
         jitter=settings.mock_jitter,
     )
-    if settings.model == "mock":
-        return MockModel(language, latency)
-    return CachedMockModel(settings.num_slots, language, latency)
+    return EngineConfig(
+        num_slots=settings.num_slots,
+        max_waiting=settings.max_waiting,
+        policy=BatchingPolicy(settings.batching),
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_prefill_chunk=settings.max_prefill_chunk,
+        block_size=settings.block_size,
+        kv_cache_tokens=settings.kv_cache_tokens or settings.num_slots * settings.max_model_len,
+        max_model_len=settings.max_model_len,
+        step_costs=costs,
+        seed=settings.seed,
+    )
 
 
 class Serving:
@@ -64,14 +108,8 @@ class Serving:
         self.tokenizer = ByteTokenizer()
         self.model = model if model is not None else build_model(settings)
         self.metrics = EngineMetrics(settings.model_name, settings.num_slots)
-        config = EngineConfig(
-            num_slots=settings.num_slots,
-            max_waiting=settings.max_waiting,
-            policy=BatchingPolicy(settings.batching),
-        )
-        self.engine = Engine(self.model, config, observer=self.metrics)
-        usage = getattr(self.model, "cache_usage", None)
-        self.metrics.bind(self.engine.core, usage if callable(usage) else None)
+        self.engine = Engine(self.model, engine_config(settings), observer=self.metrics)
+        self.metrics.bind(self.engine.core)
         self.started_at = time.time()
 
     @property
@@ -89,23 +127,24 @@ class Serving:
         await self.engine.stop(grace)
 
     def submit(self, params: GenerationParams, id_prefix: str = "gen") -> RequestStream:
-        """Validate ``params`` against the model and queue the request; ``APIError`` if refused."""
-        seq = self._sequence(params, id_prefix)
+        """Validate ``params`` against the model and queue the request: ``prepare`` then
+        ``enqueue``."""
+        return self.enqueue(self.prepare(params, id_prefix))
+
+    def prepare(self, params: GenerationParams, id_prefix: str = "gen") -> Sequence:
+        """The request as a sequence, checked against the model (vocabulary, context length,
+        KV capacity); ``InvalidRequestError`` if it cannot run. Nothing is queued yet."""
+        return self._sequence(params, id_prefix)
+
+    def enqueue(self, seq: Sequence) -> RequestStream:
+        """Queue a prepared sequence. The engine's refusal (``QueueFullError``,
+        ``DuplicateRequestError``, ``EngineDrainingError``, ``EngineDeadError``) is counted and
+        raised; the API layer turns it into its HTTP answer."""
         try:
             return self.engine.submit(seq)
-        except QueueFullError as err:
-            self.metrics.reject("queue_full")
-            raise APIError(429, str(err), "overloaded_error", code="queue_full",
-                           headers={"Retry-After": "1"}) from err  # fmt: skip
-        except DuplicateRequestError as err:
-            self.metrics.reject("duplicate_id")
-            raise APIError(409, str(err), param="request_id", code="duplicate_request_id") from err
-        except EngineDrainingError as err:
-            self.metrics.reject("draining")
-            raise APIError(503, str(err), "service_unavailable", code="draining") from err
-        except EngineDeadError as err:
-            self.metrics.reject("engine_dead")
-            raise APIError(503, str(err), "service_unavailable", code="engine_dead") from err
+        except EngineError as err:
+            self.metrics.reject(REJECTION_REASONS.get(type(err), "engine_dead"))
+            raise
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """End a live request early (``reason`` is ``abort``, or ``stop`` for a stop string);
@@ -115,10 +154,13 @@ class Serving:
     def slots(self) -> list[dict[str, object]]:
         """The slot table now, one entry per slot (like llama.cpp's ``/slots``)."""
         table, now = self.engine.core.scheduler.slots, time.monotonic()
+        out_of_service = table.out_of_service
         out: list[dict[str, object]] = []
         for index in range(table.capacity):
             seq = table.get(index)
             entry: dict[str, object] = {"id": index, "is_processing": seq is not None}
+            if index in out_of_service:
+                entry["out_of_service"] = True
             if seq is not None:
                 entry |= {
                     "request_id": seq.request_id,
@@ -126,6 +168,10 @@ class Serving:
                     "n_decoded": seq.num_generated,
                     "max_tokens": seq.max_tokens,
                     "n_remain": seq.max_tokens - seq.num_generated,
+                    "n_computed": seq.num_computed_tokens,
+                    "prefilling": seq.prefilling,
+                    "priority": seq.priority,
+                    "preemptions": seq.num_preemptions,
                     "age_seconds": round(now - seq.times.arrival, 6),
                 }
             out.append(entry)
@@ -133,26 +179,34 @@ class Serving:
 
     def _sequence(self, params: GenerationParams, id_prefix: str) -> Sequence:
         if not params.prompt:
-            raise APIError(400, "prompt must not be empty", param="prompt", code="empty_prompt")
+            raise InvalidRequestError("prompt must not be empty", "prompt", "empty_prompt")
         self._check_vocabulary(params.prompt, "prompt")
         self._check_vocabulary(params.stop_token_ids, "stop_token_ids")
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
-            stops.add(self.eos_token_id)
+            stops.update(self.tokenizer.stop_token_ids)
+        text_stop = None
+        if params.stop_strings:
+            text_stop = StopStrings(params.stop_strings, self.tokenizer.stream_decoder())
         return Sequence(
             request_id=params.request_id or f"{id_prefix}-{uuid.uuid4().hex}",
             tokens=list(params.prompt),
             max_tokens=self._max_tokens(len(params.prompt), params.max_tokens),
             stop_token_ids=_shared_stop_set(tuple(sorted(stops))),
             priority=params.priority,
+            sampling=params.sampling,
+            stop=text_stop,
+            user=params.user,
         )
 
     def _check_vocabulary(self, ids: list[int], param: str) -> None:
         vocab = self.tokenizer.vocab_size
         if ids and (min(ids) < 0 or max(ids) >= vocab):
             bad = next(t for t in ids if not 0 <= t < vocab)
-            raise APIError(400, f"token id {bad} in {param} is outside the vocabulary [0, {vocab})",
-                           param=param, code="invalid_token_id")  # fmt: skip
+            raise InvalidRequestError(
+                f"token id {bad} in {param} is outside the vocabulary [0, {vocab})",
+                param, "invalid_token_id",
+            )  # fmt: skip
 
     def _max_tokens(self, prompt_len: int, requested: int | None) -> int:
         """``requested``, or the default capped by the room left; 400 past the context."""
@@ -161,10 +215,15 @@ class Serving:
         max_tokens = min(self.settings.default_max_tokens, max(room, 0))
         if requested is not None:
             max_tokens = requested
+        books = self.engine.core.scheduler.books
+        if room >= 0 and max_tokens <= room and not books.fits_ever(prompt_len + max_tokens):
+            raise InvalidRequestError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the KV cache "
+                f"({books.capacity_tokens} tokens)",
+                "max_tokens", "context_length_exceeded",
+            )  # fmt: skip
         if room < 0 or max_tokens > room:
-            raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) "
-                           f"exceeds the context length of {context} tokens",
-                           param="max_tokens", code="context_length_exceeded")  # fmt: skip
+            raise context_length_error(prompt_len, max_tokens, context)
         return max_tokens
 
 

@@ -1,7 +1,7 @@
 """Continuous vs static batching on the same engine (the product's reason to exist).
 
 All requests arrive at once (as in Anyscale's benchmark); output lengths are exponential with
-mean 128, capped at 512; the mock's decode step takes a fixed --step-ms whatever the batch size,
+mean 128, capped at 512; the engine's step clock gives each step a fixed --step-ms whatever the batch size,
 as a GPU step roughly does. The only difference between the runs is the admission policy.
 
 Run: .venv/bin/python benchmarks/continuous_vs_static.py [--requests 256] [--slots 32] [--step-ms 2]
@@ -18,8 +18,8 @@ import time
 from app.engine.core import EngineConfig
 from app.engine.engine import Engine
 from app.engine.scheduler import BatchingPolicy
+from app.engine.step_clock import StepCosts
 from app.engine.types import Sequence
-from app.models.latency import LatencyProfile
 from app.models.mock import MockModel
 from app.models.mock_language import MockLanguage
 
@@ -33,8 +33,9 @@ async def run(
     policy: BatchingPolicy, outputs: list[int], slots: int, step_ms: float
 ) -> dict[str, float]:
     language = MockLanguage(text=False, stop_probability=0.0)  # lengths come from max_tokens
-    model = MockModel(language, LatencyProfile(base_ms=step_ms))
-    engine = Engine(model, EngineConfig(num_slots=slots, max_waiting=len(outputs), policy=policy))
+    config = EngineConfig(num_slots=slots, max_waiting=len(outputs), policy=policy,
+                          step_costs=StepCosts(step_ms=step_ms))  # fmt: skip
+    engine = Engine(MockModel(language), config)
     await engine.start()
     started = time.monotonic()
     streams = [

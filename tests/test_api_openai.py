@@ -8,7 +8,7 @@ import pytest
 from conftest import ClientFactory
 from sse import parse_sse
 
-from app.api.stop_strings import StopStringMatcher
+from app.engine.stop_strings import StopStringMatcher
 
 
 async def test_models_lists_the_served_model(make_client: ClientFactory) -> None:
@@ -96,7 +96,8 @@ async def test_stop_string_truncates_and_finishes_with_stop(make_client: ClientF
             'request_success_total{finished_reason="stop",model_name="slotserve-mock"} 2.0'
             in metrics
         )
-        assert 'finished_reason="abort"' not in metrics
+        # Every finish reason is exported from the start: none of these ended as an abort.
+        assert 'finished_reason="abort",model_name="slotserve-mock"} 0.0' in metrics
 
 
 def test_stop_string_matcher_never_releases_part_of_a_stop_string() -> None:

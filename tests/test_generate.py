@@ -14,6 +14,7 @@ from reference import run_alone
 from app import CachedMockModel, MockModel, ModelError, ModelOutputError, Request, generate
 from app.models.cached_mock import SlotReuseError
 from app.models.mock_language import MockLanguage
+from app.models.protocol import DEFAULT_SAMPLING, PrefillChunk, StepBatch
 
 FAST = settings(max_examples=40, deadline=None)
 
@@ -206,8 +207,9 @@ def test_slot_freed_in_a_step_is_refilled_before_the_next_call() -> None:
     ]
     generate(model, requests, 2, 99)
     heads = [[entry[0] - TAG for entry in call] for call in model.calls]
-    # a ends after call 0; c takes its slot (slot 0, so it comes first) at call 1.
-    assert heads == [[0, 1], [2, 1], [2, 1]]
+    # a ends after call 0; c takes its slot 0 at call 1. A step feeds the decoding requests
+    # first (slot order), then the prompts that complete in it.
+    assert heads == [[0, 1], [1, 2], [2, 1]]
 
 
 # --- fixed batch shape ------------------------------------------------------------------------
@@ -384,13 +386,18 @@ def test_model_error_partial_reports_progress_of_every_request() -> None:
 # --- cached model -----------------------------------------------------------------------------
 
 
+def fresh_prefill(slot: int, tokens: list[int]) -> StepBatch:
+    chunk = PrefillChunk(slot, tokens, 0, True, DEFAULT_SAMPLING, f"r{slot}")
+    return StepBatch([], [], [], [], [chunk])
+
+
 def test_cached_mock_refuses_a_slot_assigned_twice_without_release() -> None:
     model = CachedMockModel(2)
-    model.assign(0, [1, 2])
+    model.step(fresh_prefill(0, [1, 2]))
     with pytest.raises(SlotReuseError):
-        model.assign(0, [3])
+        model.step(fresh_prefill(0, [3]))
     model.release(0)
-    model.assign(0, [3])  # fine once released
+    model.step(fresh_prefill(0, [3]))  # fine once released
 
 
 def test_cached_model_through_generate_reuses_slots_correctly() -> None:
@@ -407,28 +414,28 @@ def test_generate_releases_every_slot_so_a_cached_model_can_serve_again() -> Non
     requests = [Request(f"r{i}", [i, i + 1], 3) for i in range(3)]
     first = generate(model, requests, 2, 256)
     assert generate(model, requests, 2, 256) == first
-    assert model.cache_usage() == 0
+    assert model.held_slots() == []
 
 
 def test_generate_releases_every_slot_after_a_model_error() -> None:
     model = FailingCachedModel(fail_at_call=2)
     with pytest.raises(ModelError):
         generate(model, [Request("a", [1], 5), Request("b", [2], 5)], 2, 256)
-    assert model.cache_usage() == 0
+    assert model.held_slots() == []
 
 
 class FailingCachedModel(CachedMockModel):
-    """A cached mock whose decode fails on one call."""
+    """A cached mock whose step fails on one call."""
 
     def __init__(self, fail_at_call: int) -> None:
         super().__init__(2)
         self.calls, self.fail_at_call = 0, fail_at_call
 
-    def decode(self, slots: list[int], last_tokens: list[int | None]) -> list[int]:
+    def step(self, batch: StepBatch) -> list[int]:
         self.calls += 1
         if self.calls == self.fail_at_call:
             raise RuntimeError("device lost")
-        return super().decode(slots, last_tokens)
+        return super().step(batch)
 
 
 # --- per-token cost ---------------------------------------------------------------------------

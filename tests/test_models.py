@@ -1,11 +1,12 @@
-"""The mock models: determinism, the text they write, stop rates, the KV-cache contract and the
-simulated latency."""
+"""The mock models: determinism, the text they write, stop rates and the KV-cache contract. (The
+simulated step time is the engine's step clock: see test_engine.)"""
 
 from __future__ import annotations
 
+import itertools
 import random
 import string
-import time
+from collections.abc import Iterable
 
 import pytest
 from hypothesis import given, settings
@@ -13,9 +14,14 @@ from hypothesis import strategies as st
 
 from app import MockModel, Request, generate
 from app.models.cached_mock import CachedMockModel, SlotReuseError
-from app.models.latency import JITTER_CAP, STEP_STARTED, LatencyProfile, StepTimer
 from app.models.mock_language import WORDS, MockLanguage
-from app.models.protocol import CachedModel, StatelessModel
+from app.models.protocol import (
+    DEFAULT_SAMPLING,
+    CachedModel,
+    PrefillChunk,
+    StatelessModel,
+    StepBatch,
+)
 from app.models.tokenizer import ByteTokenizer
 
 FAST = settings(max_examples=50, deadline=None)
@@ -163,94 +169,91 @@ def test_long_prefix_reads_a_bounded_part() -> None:
 # --- the KV-cache mock ------------------------------------------------------------------------
 
 
+def prefill(slot: int, tokens: list[int], start: int = 0, sample: bool = True) -> PrefillChunk:
+    return PrefillChunk(slot, tokens, start, sample, DEFAULT_SAMPLING, f"r{slot}")
+
+
+def batch(
+    decodes: Iterable[tuple[int, int]] = (), prefills: Iterable[PrefillChunk] = ()
+) -> StepBatch:
+    """A step feeding ``(slot, last token)`` decodes and ``prefills``."""
+    decodes = list(decodes)
+    slots = [slot for slot, _ in decodes]
+    tokens = [token for _, token in decodes]
+    ids = [f"r{slot}" for slot in slots]
+    return StepBatch(slots, tokens, [DEFAULT_SAMPLING] * len(slots), ids, list(prefills))
+
+
 def test_cached_mock_contract_errors() -> None:
     model = CachedMockModel(2)
     with pytest.raises(SlotReuseError, match="slot 1"):
-        model.decode([1], [None])  # never assigned
-    model.assign(0, [1, 2])
-    with pytest.raises(SlotReuseError):
-        model.assign(0, [3])  # assigned twice without release
+        model.step(batch([(1, 5)]))  # never prefilled
+    model.step(batch(prefills=[prefill(0, [1, 2])]))
+    with pytest.raises(SlotReuseError, match="slot 0"):
+        model.step(batch(prefills=[prefill(0, [3])]))  # a fresh chunk without a release
+    with pytest.raises(SlotReuseError, match="starts at 3, cache holds 2"):
+        model.step(batch(prefills=[prefill(0, [3], start=3)]))  # a gap
+    with pytest.raises(SlotReuseError, match="starts at 1, cache holds 0"):
+        model.step(batch(prefills=[prefill(1, [3], start=1)]))  # a continuation of nothing
     model.release(0)
     with pytest.raises(SlotReuseError, match="released twice"):
         model.release(0)
     with pytest.raises(SlotReuseError):
-        model.decode([0], [5])  # released: no longer decodable
+        model.step(batch([(0, 5)]))  # released: no longer decodable
+    assert model.held_slots() == []
 
 
 def test_cached_mock_matches_the_stateless_mock_token_by_token() -> None:
     prompts = text_prompts(3, seed=5)
     cached, stateless = CachedMockModel(3), MockModel()
-    for slot, prompt in enumerate(prompts):
-        cached.assign(slot, prompt)
+    first = cached.step(batch(prefills=[prefill(slot, p) for slot, p in enumerate(prompts)]))
     prefixes = [list(p) for p in prompts]
-    last: list[int | None] = [None, None, None]
+    assert first == stateless.next_tokens(prefixes)
+    last = first
     for _ in range(25):
-        out = cached.decode([0, 1, 2], last)
-        assert out == stateless.next_tokens(prefixes)
-        for prefix, token in zip(prefixes, out, strict=True):
+        for prefix, token in zip(prefixes, last, strict=True):
             prefix.append(token)
-        last = list(out)
+        last = cached.step(batch(list(enumerate(last))))
+        assert last == stateless.next_tokens(prefixes)
 
 
-def test_cached_mock_cache_usage() -> None:
+@FAST
+@given(prompt=prefixes, cuts=st.lists(st.integers(1, 40), max_size=5))
+def test_a_chunked_prefill_samples_what_a_whole_one_does(
+    prompt: list[int], cuts: list[int]
+) -> None:
+    """Any split of a prompt into chunks leaves the same cache and samples the same token, and
+    only the last chunk samples."""
+    model = CachedMockModel(1)
+    bounds = sorted({0, len(prompt), *(c for c in cuts if c < len(prompt))})
+    outputs = []
+    for start, end in itertools.pairwise(bounds):
+        last = end == len(prompt)
+        outputs.append(model.step(batch(prefills=[prefill(0, prompt[start:end], start, last)])))
+    assert outputs[:-1] == [[]] * (len(outputs) - 1)
+    assert outputs[-1] == MockModel().next_tokens([prompt])
+    assert model.cached_tokens(0) == len(prompt)
+
+
+def test_cached_mock_decodes_and_prefills_in_one_step() -> None:
+    """Decode outputs come first, then one per sampling chunk, whatever the slot order."""
+    model, stateless = CachedMockModel(3), MockModel()
+    (t0,) = model.step(batch(prefills=[prefill(2, [4, 5, 6])]))
+    out = model.step(
+        batch([(2, t0)], [prefill(0, [1, 2], sample=False), prefill(1, [9], sample=True)])
+    )
+    assert out == stateless.next_tokens([[4, 5, 6, t0], [9]])
+    assert model.held_slots() == [0, 1, 2]
+    assert [model.cached_tokens(s) for s in range(3)] == [2, 1, 4]
+
+
+def test_cached_mock_cache_is_empty_after_release() -> None:
     model = CachedMockModel(4)
-    assert model.cache_usage() == 0.0
-    model.assign(1, [1])
-    model.assign(3, [1])
-    assert model.cache_usage() == 0.5
+    assert model.held_slots() == []
+    model.step(batch(prefills=[prefill(1, [1]), prefill(3, [1, 2])]))
+    assert model.held_slots() == [1, 3] and model.cached_tokens(3) == 2
     model.release(1)
-    assert model.cache_usage() == 0.25
-
-
-# --- simulated latency ------------------------------------------------------------------------
-
-
-def test_latency_profile_mean_and_enabled() -> None:
-    rng = random.Random(0)
-    assert not LatencyProfile().enabled
-    assert LatencyProfile().seconds(8, 100, rng) == 0.0
-    profile = LatencyProfile(base_ms=10, per_seq_ms=2, per_prefill_token_ms=0.5)
-    assert profile.enabled
-    assert profile.seconds(4, 20, rng) == pytest.approx((10 + 8 + 10) / 1000)
-
-
-@pytest.mark.parametrize("jitter", [0.1, 0.3, 1.0, 50.0])
-def test_latency_jitter_is_capped_at_30_percent(jitter: float) -> None:
-    rng = random.Random(7)
-    profile = LatencyProfile(base_ms=100, jitter=jitter)
-    samples = [profile.seconds(1, 0, rng) for _ in range(3_000)]
-    assert min(samples) >= 0.1 * (1 - JITTER_CAP) - 1e-12
-    assert max(samples) <= 0.1 * (1 + JITTER_CAP) + 1e-12
-    assert JITTER_CAP == 0.3
-    mean = sum(samples) / len(samples)
-    assert mean == pytest.approx(0.1, rel=0.05)
-    assert max(samples) > min(samples)  # it does jitter
-
-
-def test_step_timer_counts_from_the_step_start() -> None:
-    """A step that already spent its latency elsewhere (engine bookkeeping, the event loop)
-    does not wait again."""
-    timer = StepTimer(LatencyProfile(base_ms=5_000))
-    token = STEP_STARTED.set(time.monotonic() - 10.0)
-    try:
-        started = time.monotonic()
-        timer.wait(batch_size=4, prefill_tokens=0)
-        assert time.monotonic() - started < 1.0
-    finally:
-        STEP_STARTED.reset(token)
-
-
-def test_step_timer_waits_without_a_step_start() -> None:
-    timer = StepTimer(LatencyProfile(base_ms=30))
-    started = time.monotonic()
-    timer.wait(batch_size=1, prefill_tokens=0)
-    assert time.monotonic() - started >= 0.029
-
-
-def test_latency_does_not_change_outputs() -> None:
-    requests = [Request(f"r{i}", p, 20) for i, p in enumerate(text_prompts(4))]
-    slow = MockModel(latency=LatencyProfile(per_seq_ms=0.01, jitter=0.2))
-    assert generate(slow, requests, 2, 256) == generate(MockModel(), requests, 2, 256)
+    assert model.held_slots() == [3] and model.cached_tokens(1) == 0
 
 
 # --- tokenizer --------------------------------------------------------------------------------

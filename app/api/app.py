@@ -12,6 +12,7 @@ from sse_starlette.sse import AppStatus
 
 from app.api import admin, native, openai_compat
 from app.api.errors import install_error_handlers
+from app.api.faults import FaultInjector
 from app.api.limits import BodySizeLimit
 from app.api.streaming import ClientGone, hide_cut_off_responses
 from app.config import Settings
@@ -42,6 +43,7 @@ def create_app(settings: Settings | None = None, model: Model | None = None) -> 
         lifespan=lifespan,
     )
     app.state.serving = serving
+    app.state.faults = FaultInjector(settings, serving.metrics)
     install_error_handlers(app)
     app.add_exception_handler(ClientGone, _client_gone)
     app.include_router(native.router)

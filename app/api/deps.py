@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from app.api.errors import APIError
+from app.api.errors import invalid_api_key
 from app.serving import Serving
 
 
@@ -28,9 +28,7 @@ def require_api_key(request: Request, serving: ServingDep) -> None:
     scheme, _, token = header.partition(" ")
     expected = secret.get_secret_value().encode()
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
-        raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
-                       "authentication_error", code="invalid_api_key",
-                       headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+        raise invalid_api_key()
 
 
 Authorized = [Depends(require_api_key)]

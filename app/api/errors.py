@@ -16,6 +16,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.engine.errors import (
+    DuplicateRequestError,
+    EngineDrainingError,
+    EngineError,
+    QueueFullError,
+)
+from app.serving import InvalidRequestError, context_length_error
+
 log = logging.getLogger("slotserve.api")
 
 INVALID = "invalid_request_error"
@@ -54,6 +62,8 @@ def error_json(status: int, message: str, type: str, code: str | None = None) ->
 
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(InvalidRequestError, _refused)
+    app.add_exception_handler(EngineError, _refused)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
@@ -62,6 +72,14 @@ def install_error_handlers(app: FastAPI) -> None:
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _refused(request: Request, exc: Exception) -> JSONResponse:
+    """A request refused below the API: its HTTP answer is decided here."""
+    if isinstance(exc, InvalidRequestError):
+        return await _api_error(request, invalid_request(exc))
+    assert isinstance(exc, EngineError)
+    return await _api_error(request, refusal(exc))
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
@@ -145,3 +163,49 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
         error_body("internal server error", "server_error", None, "internal_error"),
         status_code=500,
     )
+
+
+# The errors a failure can be injected as (app/api/faults.py) are built here, by the functions
+# that build the real ones, so an injected failure cannot drift from the real one.
+
+RETRY_AFTER = "1"  # seconds, on 429 (queue full) and 503 (draining, engine dead)
+
+
+def refusal(err: EngineError) -> APIError:
+    """The answer to a submit the engine refused: 429 queue full, 409 duplicate id, 503
+    draining or engine dead. 429 and 503 carry ``Retry-After``."""
+    retry = {"Retry-After": RETRY_AFTER}
+    if isinstance(err, QueueFullError):
+        return APIError(429, str(err), "overloaded_error", code="queue_full", headers=retry)
+    if isinstance(err, DuplicateRequestError):
+        return APIError(409, str(err), param="request_id", code="duplicate_request_id")
+    code = "draining" if isinstance(err, EngineDrainingError) else "engine_dead"
+    return APIError(503, str(err), "service_unavailable", code=code, headers=retry)
+
+
+def invalid_api_key() -> APIError:
+    """401 for a missing or wrong ``Authorization: Bearer <key>``."""
+    return APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+                    "authentication_error", code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+
+
+def invalid_request(err: InvalidRequestError) -> APIError:
+    """400 for a request the model cannot take (``app.serving`` says why and which field)."""
+    return APIError(400, str(err), param=err.param, code=err.code)
+
+
+def context_length_exceeded(prompt_len: int, max_tokens: int, context: int) -> APIError:
+    """400 for a prompt plus ``max_tokens`` that does not fit in the context length."""
+    return invalid_request(context_length_error(prompt_len, max_tokens, context))
+
+
+def model_not_found(requested: str, served: str) -> APIError:
+    """404 for an OpenAI ``model`` that this server does not serve."""
+    return APIError(404, f"model {requested!r} does not exist; this server serves {served!r}",
+                    "not_found_error", param="model", code="model_not_found")  # fmt: skip
+
+
+def model_failed_message(error: BaseException | None) -> str:
+    """The message of a request that a failed model call ended (HTTP 500 or an error event)."""
+    return f"model call failed: {error!r}"

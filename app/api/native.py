@@ -9,8 +9,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from app.api import faults
 from app.api.deps import Authorized, ServingDep
-from app.api.errors import APIError, error_body
+from app.api.errors import APIError, error_body, model_failed_message
 from app.api.schemas import GenerateRequest
 from app.api.streaming import sse_event, sse_response, until_disconnected
 from app.engine.stream import RequestStream
@@ -41,8 +42,10 @@ async def generate(body: GenerateRequest, request: Request, serving: ServingDep)
         ignore_eos=body.ignore_eos,
         request_id=body.request_id,
         priority=body.priority,
+        sampling=body.sampling(),
+        user=body.user,
     )
-    stream = serving.submit(params)
+    stream = faults.submit(request, serving, params, streaming=body.stream)
     if body.stream:
         return sse_response(native_events(stream, serving), stream, serving)
     await until_disconnected(request, stream.collect(), lambda: serving.abort(stream.request_id))
@@ -89,7 +92,6 @@ def done_payload(stream: RequestStream, serving: Serving) -> dict[str, Any]:
 
 
 def error_payload(stream: RequestStream) -> dict[str, Any]:
-    body = error_body(f"model call failed: {stream.seq.error!r}", "server_error", None,
-                      "model_error")  # fmt: skip
+    body = error_body(model_failed_message(stream.seq.error), "server_error", None, "model_error")
     body["request_id"] = stream.request_id
     return body

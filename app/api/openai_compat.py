@@ -10,12 +10,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from app.api import faults
 from app.api.deps import Authorized, ServingDep
-from app.api.errors import APIError, error_body
+from app.api.errors import APIError, error_body, model_failed_message, model_not_found
 from app.api.native import ERROR_RESPONSES
 from app.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIParams
-from app.api.stop_strings import StopStringMatcher
 from app.api.streaming import sse_event, sse_response, until_disconnected
+from app.engine.stop_strings import StopStringMatcher
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason
 from app.serving import GenerationParams, Serving
@@ -41,7 +42,7 @@ async def list_models(serving: ServingDep) -> dict[str, Any]:
 async def completions(body: CompletionRequest, request: Request, serving: ServingDep) -> Response:
     ids = completion_prompt_ids(body, serving)
     max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
-    run = _start(serving, body, ids, max_tokens, "cmpl")
+    run = _start(request, serving, body, ids, max_tokens, "cmpl")
     shape = CompletionShape(run.id, serving.settings.model_name)
     return await _respond(run, body, request, serving, shape)
 
@@ -50,20 +51,14 @@ async def completions(body: CompletionRequest, request: Request, serving: Servin
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, serving: ServingDep
 ) -> Response:
-    ids = serving.tokenizer.encode(render_chat(body))
+    ids = serving.tokenizer.chat_prompt([(m.role, m.text()) for m in body.messages])
     # max_completion_tokens replaces the deprecated max_tokens; it wins when both are set
     max_tokens = (
         body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
     )
-    run = _start(serving, body, ids, max_tokens, "chatcmpl")
+    run = _start(request, serving, body, ids, max_tokens, "chatcmpl")
     shape = ChatShape(run.id, serving.settings.model_name)
     return await _respond(run, body, request, serving, shape)
-
-
-def render_chat(body: ChatCompletionRequest) -> str:
-    """The mock's chat template: one ``role: content`` line per message, then the reply's cue."""
-    lines = [f"{m.role}: {m.text()}" for m in body.messages]
-    return "\n".join([*lines, "assistant: "])
 
 
 def completion_prompt_ids(body: CompletionRequest, serving: Serving) -> list[int]:
@@ -90,32 +85,39 @@ class Run:
 
 
 def _start(
-    serving: Serving, body: OpenAIParams, ids: list[int], max_tokens: int | None, prefix: str
+    request: Request,
+    serving: Serving,
+    body: OpenAIParams,
+    ids: list[int],
+    max_tokens: int | None,
+    prefix: str,
 ) -> Run:
     if body.model is not None and body.model != serving.settings.model_name:
-        raise APIError(404, f"model {body.model!r} does not exist; this server serves "
-                       f"{serving.settings.model_name!r}", "not_found_error", param="model",
-                       code="model_not_found")  # fmt: skip
+        raise model_not_found(body.model, serving.settings.model_name)
     unsupported = body.unsupported()
     if unsupported is not None:
         raise APIError(400, f"{unsupported} is not supported by this server (the mock has no "
                        "log-probabilities, tools or structured output); leave it unset",
                        param=unsupported, code="unsupported_parameter")  # fmt: skip
+    stops = body.stop_strings()
     params = GenerationParams(
         prompt=ids, max_tokens=max_tokens, stop_token_ids=body.stop_token_ids,
-        ignore_eos=body.ignore_eos,
+        stop_strings=stops, ignore_eos=body.ignore_eos, priority=body.priority,
+        sampling=body.sampling(), user=body.user,
     )  # fmt: skip
-    stream = serving.submit(params, id_prefix=prefix)
-    return Run(stream.request_id, stream, StopStringMatcher(body.stop_strings()), int(time.time()))
+    stream = faults.submit(
+        request, serving, params, streaming=bool(body.stream), id_prefix=prefix, model=body.model
+    )
+    return Run(stream.request_id, stream, StopStringMatcher(stops), int(time.time()))
 
 
 async def _texts(run: Run, serving: Serving) -> AsyncIterator[tuple[str, str | None]]:
-    """(text delta, finish reason or None) pairs; a stop string ends the request early."""
+    """(text delta, finish reason or None) pairs. The engine ends a request at the step whose
+    tokens complete a stop string; here the text is cut right before it."""
     decoder = serving.tokenizer.stream_decoder()
     async for delta in run.stream:
         text = run.matcher.feed(decoder.feed(delta.tokens))
-        if run.matcher.hit:  # a stop string: the request ends with "stop", as in metrics
-            serving.abort(run.id, FinishReason.STOP)
+        if run.matcher.hit:
             yield text, FinishReason.STOP.value
             return
         if delta.finish_reason is FinishReason.ERROR:
@@ -130,7 +132,7 @@ async def _texts(run: Run, serving: Serving) -> AsyncIterator[tuple[str, str | N
 
 class _ModelFailed(Exception):
     def __init__(self, stream: RequestStream) -> None:
-        super().__init__(f"model call failed: {stream.seq.error!r}")
+        super().__init__(model_failed_message(stream.seq.error))
 
 
 def _usage(stream: RequestStream) -> dict[str, int]:

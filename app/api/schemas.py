@@ -8,6 +8,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+from app.models.protocol import SamplingParams
+
 
 def _unicode_text(text: str) -> str:
     """JSON may carry lone surrogates ("\\ud800") that no UTF-8 text can hold: refuse them here,
@@ -28,9 +30,28 @@ RequestId = Annotated[
     StrictStr, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")
 ]
 MaxTokens = Annotated[StrictInt, Field(ge=0)]
+Priority = Annotated[StrictInt, Field(ge=-1000, le=1000)]
 
 
-class GenerateRequest(BaseModel):
+class SamplingFields(BaseModel):
+    """Per-request sampling (vLLM's names and ranges). The mocks ignore them; a real model
+    honours them. An omitted ``temperature`` means the model's default."""
+
+    temperature: Annotated[float, Field(ge=0, le=100)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1)] | None = Field(None, description="-1 or 0: off")
+    seed: StrictInt | None = Field(None, description="same seed, same tokens, whatever the batch")
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(0, self.top_k or 0),
+            seed=self.seed,
+        )
+
+
+class GenerateRequest(SamplingFields):
     """``POST /generate``: the native API."""
 
     model_config = ConfigDict(extra="forbid")
@@ -41,7 +62,8 @@ class GenerateRequest(BaseModel):
     ignore_eos: StrictBool = False
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
     request_id: RequestId | None = Field(None, description="client id; a live duplicate: 409")
-    priority: StrictInt = Field(0, description="accepted; honoured by a later policy")
+    priority: Priority = Field(0, description="lower runs first under --policy priority")
+    user: Text | None = Field(None, description="the user, for per-user fairness")
 
 
 class StreamOptions(BaseModel):
@@ -62,7 +84,7 @@ NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
 }
 
 
-class OpenAIParams(BaseModel):
+class OpenAIParams(SamplingFields):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
     model_config = ConfigDict(extra="ignore")
@@ -74,10 +96,8 @@ class OpenAIParams(BaseModel):
     stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=16)] | None = None
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
     ignore_eos: StrictBool = False
-    seed: StrictInt | None = Field(None, description="accepted; the mock is deterministic")
     n: Literal[1] | None = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    priority: Priority = Field(0, description="vLLM's extension: lower runs first")
     user: Text | None = None
 
     # Fields that would change the response's shape (echoed prompt, log-probabilities, tool

@@ -5,34 +5,59 @@ drive this class step by step without an event loop.
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from app.engine.errors import DuplicateRequestError, QueueFullError
 from app.engine.runner import ModelRunner
-from app.engine.scheduler import BatchingPolicy, Scheduler, StepPlan
+from app.engine.scheduler import BatchingPolicy, Scheduler, SchedulerConfig
+from app.engine.step import ModelOutput, SchedulerOutput, StepOutcome
+from app.engine.step_clock import NO_STEP_TIME, StepCosts
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
+
+log = logging.getLogger("slotserve.engine")
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
+    """The engine's limits; see ``SchedulerConfig`` for the token budget and KV fields."""
+
     num_slots: int = 8
     max_waiting: int = 1024  # requests that may wait beyond the free slots before submit() refuses
     policy: BatchingPolicy = BatchingPolicy.CONTINUOUS
+    max_num_batched_tokens: int | None = None
+    max_prefill_chunk: int | None = None
+    block_size: int = 16
+    kv_cache_tokens: int | None = None
+    max_model_len: int | None = None
+    step_costs: StepCosts = NO_STEP_TIME  # the simulated step time (zero: none)
+    seed: int = 0  # the step clock's jitter
     # Run each model call in a worker thread, unless the model declares ``blocking = False``
     # (its calls are quick and never wait: a thread hop would cost more than the call).
     offload_model_calls: bool = True
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            num_slots=self.num_slots,
+            policy=self.policy,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_prefill_chunk=self.max_prefill_chunk,
+            block_size=self.block_size,
+            kv_cache_tokens=self.kv_cache_tokens,
+            max_model_len=self.max_model_len,
+        )
 
 
 class EngineObserver(Protocol):
     """Receives the engine's events (metrics, logs). Called on the engine task; must be quick."""
 
-    def on_step(self, plan: StepPlan, ended: float) -> None:
-        """Once per model call, after its tokens or its failure were applied; ``ended`` is the
-        clock reading then (``plan.started_at`` is the step's start)."""
+    def on_step(self, outcome: StepOutcome) -> None:
+        """Once per model call, after its tokens or its failure were applied."""
         ...
 
     def on_finished(self, seq: Sequence) -> None:
@@ -54,13 +79,16 @@ class EngineCore:
     ) -> None:
         self.config = config
         self.runner = runner
-        self.scheduler = Scheduler(config.num_slots, config.policy)
+        self.scheduler = Scheduler(config.scheduler_config())
         self.live: dict[str, RequestStream] = {}
         # Live requests with an abort on its way through the inbox: they no longer count
         # against the queue bound, so a client that cancels can submit again at once.
         self.aborting: set[str] = set()
         self.observer = observer
         self.clock = clock
+        # Exceptions raised by the observer, by method and type: contained, logged once per
+        # kind, counted (a metrics bug must not take the engine down).
+        self.observer_errors: Counter[str] = Counter()
 
     @property
     def num_running(self) -> int:
@@ -80,10 +108,7 @@ class EngineCore:
         # A request being aborted frees its place at once, but no more than another whole
         # bound of them are kept (a submit-and-cancel loop during one long model call).
         if len(self.live) - len(self.aborting) >= bound or len(self.live) >= 2 * bound:
-            raise QueueFullError(
-                f"all {self.config.num_slots} slots are busy and the waiting queue is full "
-                f"({self.config.max_waiting} requests)"
-            )
+            raise QueueFullError.for_bounds(self.config.num_slots, self.config.max_waiting)
         stream = RequestStream(seq)
         self.live[seq.request_id] = stream
         return stream
@@ -114,31 +139,28 @@ class EngineCore:
         for seq in self.scheduler.fail_all(error, self.clock()):
             self._finished(seq)
 
-    def schedule(self) -> StepPlan:
+    def schedule(self) -> SchedulerOutput:
         return self.scheduler.schedule(self.clock())
 
-    def complete(self, plan: StepPlan, tokens: list[int]) -> None:
-        """The model call for ``plan`` returned ``tokens``: apply them and publish."""
-        now = self.clock()
-        self.scheduler.apply(plan, tokens, now)
-        self._publish(plan, now)
+    def update(self, out: SchedulerOutput, result: ModelOutput) -> None:
+        """The model call for ``out`` returned ``result``: apply it and publish."""
+        self._publish(self.scheduler.update(out, result, self.clock()))
 
-    def fail(self, plan: StepPlan, error: BaseException) -> None:
-        """The model call for ``plan`` raised: its requests end with ``error``; others go on."""
-        now = self.clock()
-        self.scheduler.fail(plan, error, now)
-        self._publish(plan, now)
+    def fail(self, out: SchedulerOutput, error: BaseException) -> None:
+        """The model call for ``out`` raised: its requests end with ``error``; others go on."""
+        self._publish(self.scheduler.fail(out, error, self.clock()))
 
-    def _publish(self, plan: StepPlan, now: float) -> None:
-        live = self.live
-        for seq in plan.batch:
-            stream = live.get(seq.request_id)
-            if stream is not None and stream.seq is seq:
-                stream.notify()
-        for seq in plan.finished:
+    def _publish(self, outcome: StepOutcome) -> None:
+        live, out = self.live, outcome.output
+        for seqs in (out.decode_seqs, out.prefill_seqs):
+            for seq in seqs:
+                stream = live.get(seq.request_id)
+                if stream is not None and stream.seq is seq:
+                    stream.notify()
+        for seq in outcome.finished:
             self._finished(seq)
         if self.observer is not None:
-            self.observer.on_step(plan, now)
+            self._observe(self.observer.on_step, outcome)
 
     def _finished(self, seq: Sequence) -> None:
         stream = self.live.get(seq.request_id)
@@ -147,4 +169,13 @@ class EngineCore:
             self.aborting.discard(seq.request_id)
             stream.notify()
         if self.observer is not None:
-            self.observer.on_finished(seq)
+            self._observe(self.observer.on_finished, seq)
+
+    def _observe(self, method: Callable[[Any], None], event: object) -> None:
+        try:
+            method(event)
+        except Exception as err:
+            kind = f"{method.__name__}:{type(err).__name__}"
+            if kind not in self.observer_errors:
+                log.exception("the engine's observer failed in %s (logged once per kind)", kind)
+            self.observer_errors[kind] += 1

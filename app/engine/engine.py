@@ -2,9 +2,10 @@
 
 Handlers never touch engine state. ``submit()`` registers a request and posts it to the inbox;
 ``abort()`` posts an abort. The loop drains the inbox at every step boundary (and awaits it when
-there is no work: no polling), schedules, runs the model call in a worker thread so the event
-loop keeps streaming, then applies aborts that arrived during the call before the call's tokens,
-so an aborted request's slot is free, and refilled, before the next model call.
+there is no work: no polling), schedules, runs the model call (in a worker thread for a model
+that blocks, so the event loop keeps streaming), sleeps on the event loop until the step
+clock's deadline, then applies aborts that arrived during the step before the step's tokens, so
+an aborted request's slot is free, and refilled, before the next model call.
 """
 
 from __future__ import annotations
@@ -12,21 +13,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import TypeVar
 
 from app.engine.core import EngineConfig, EngineCore, EngineObserver
 from app.engine.errors import EngineDeadError, EngineDrainingError
 from app.engine.runner import close_quietly, make_runner
-from app.engine.scheduler import StepPlan
+from app.engine.step import ModelOutput, SchedulerOutput
+from app.engine.step_clock import StepClock, sleep_until
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
+from app.engine.worker import ModelWorker
 from app.models.protocol import Model
 
 log = logging.getLogger("slotserve.engine")
 
 STUCK_CALL_TIMEOUT = 2.0  # seconds stop() waits for a model call before abandoning it
+STALL_RETRY = 0.1  # seconds between retries of failed slot resets while nothing can run
+T = TypeVar("T")
 
 
 class Signal(Enum):
@@ -59,10 +65,11 @@ class Engine:
         self.model = model
         self.config = config
         self.core = EngineCore(make_runner(model, config.num_slots), config, observer)
+        self.clock = StepClock(config.step_costs, config.seed)
         self._inbox: asyncio.Queue[Message] = asyncio.Queue()
         self._idle = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._executor: ThreadPoolExecutor | None = None
+        self._worker: ModelWorker | None = None
         self.draining = False
         self.death: BaseException | None = None
         self._stopping: asyncio.Task[None] | None = None
@@ -73,7 +80,7 @@ class Engine:
 
     async def start(self) -> None:
         if self.config.offload_model_calls and getattr(self.model, "blocking", True):
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="slotserve-model")
+            self._worker = ModelWorker()
         self._task = asyncio.create_task(self._run(), name="slotserve-engine")
 
     def submit(self, seq: Sequence) -> RequestStream:
@@ -82,7 +89,7 @@ class Engine:
         if self.death is not None:
             raise EngineDeadError(f"the engine task died: {self.death!r}") from self.death
         if self.draining:
-            raise EngineDrainingError("the server is shutting down")
+            raise EngineDrainingError()
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         stream = self.core.register(seq)
@@ -101,7 +108,8 @@ class Engine:
         return True
 
     async def wait_idle(self) -> None:
-        """Return once no request is waiting or running."""
+        """Return once no request is waiting or running (at once after ``stop()`` or once the
+        engine task has died: nothing will run any more)."""
         await self._idle.wait()
 
     async def stop(self, grace: float = 0.0, *, call_timeout: float = STUCK_CALL_TIMEOUT) -> None:
@@ -134,8 +142,9 @@ class Engine:
         self._end_leftovers(FinishReason.ABORT, None)
         if not call_abandoned and self.death is None:
             await self._close_runner()  # no call is running: the model may release its slots
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._worker is not None:
+            self._worker.shutdown()
+        self._idle.set()
 
     async def _run(self) -> None:
         try:
@@ -160,39 +169,63 @@ class Engine:
                     return
             if not self._drain_inbox():
                 return
-            plan = core.schedule()
-            if not plan.batch:
+            out = core.schedule()
+            if out.empty:  # work waits, but none can run now (every free slot is out of
+                if not await self._wait_for_room():  # service): wait, never spin
+                    return
                 continue
             try:
-                tokens = await self._execute(plan)
+                result = await self._execute(out)
             except Exception as err:
-                log.warning("model call failed for %d requests: %r", len(plan.batch), err)
+                log.warning("model call failed for %d requests: %r", len(out.scheduled()), err)
                 running = self._drain_inbox()
-                core.fail(plan, err)
+                core.fail(out, err)
                 if not running:
                     return
             else:
                 if not self._drain_inbox():
                     return
-                core.complete(plan, tokens)
+                core.update(out, result)
+
+    async def _wait_for_room(self) -> bool:
+        """Nothing can be scheduled although requests wait: wait for a message (an abort, a
+        drain) for up to ``STALL_RETRY`` seconds, then have the model retry its failed slot
+        resets. False once SHUTDOWN is read."""
+        try:
+            message = await asyncio.wait_for(self._inbox.get(), STALL_RETRY)
+        except TimeoutError:
+            unavailable = await self._in_worker(self.core.runner.retry_resets)
+            self.core.scheduler.slots.set_out_of_service(unavailable)
+            return True
+        return self._handle(message)
+
+    async def _in_worker(self, fn: Callable[[], T]) -> T:
+        """``fn()`` where the model's calls run (its worker thread, if it has one)."""
+        if self._worker is None:
+            return fn()
+        return await self._worker.run(fn)
 
     async def _close_runner(self) -> None:
         """No model call is running and none is planned: have the model drop every cache it
         still holds (so its cache usage reads zero while idle), where its calls run (the worker
         thread, if any). The scheduler's pending releases are covered by this."""
         self.core.scheduler.take_released()
-        if self._executor is None:
-            close_quietly(self.core.runner)
-        else:
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._executor, close_quietly, self.core.runner)
+        await self._in_worker(lambda: close_quietly(self.core.runner))
 
-    async def _execute(self, plan: StepPlan) -> list[int]:
-        if self._executor is None:
+    async def _execute(self, out: SchedulerOutput) -> ModelOutput:
+        """The model call, then the rest of the step clock's time on the event loop (a sleep
+        that nothing has to wait for: streams, submits and aborts run meanwhile)."""
+        if self._worker is None:
+            result = self.core.runner.execute(out)
+        else:
+            result = await self._worker.run(self.core.runner.execute, out)
+        if self.clock.enabled:
+            deadline = self.clock.deadline(out.started_at, out.num_prefill_tokens,
+                                           out.num_decode_tokens)  # fmt: skip
+            await sleep_until(deadline, self.core.clock)
+        else:
             await asyncio.sleep(0)  # let streams, submits and aborts run between steps
-            return self.core.runner.execute(plan)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.core.runner.execute, plan)
+        return result
 
     def _drain_inbox(self) -> bool:
         """Apply every queued message; False once SHUTDOWN is read."""
@@ -219,6 +252,7 @@ class Engine:
         """End every open stream with an error at once, so no consumer hangs on a dead engine."""
         self.death = err
         self._end_leftovers(FinishReason.ERROR, EngineDeadError(f"engine task died: {err!r}"))
+        self._idle.set()
 
     def _end_leftovers(self, reason: FinishReason, error: BaseException | None) -> None:
         """With the loop gone, end every request it left: queued in the inbox, waiting or

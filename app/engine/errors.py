@@ -23,6 +23,13 @@ class EngineError(RuntimeError):
 class QueueFullError(EngineError):
     """The waiting queue holds ``max_waiting`` requests already."""
 
+    @classmethod
+    def for_bounds(cls, num_slots: int, max_waiting: int) -> QueueFullError:
+        """The refusal of an engine with these bounds (one message for real and injected)."""
+        return cls(
+            f"all {num_slots} slots are busy and the waiting queue is full ({max_waiting} requests)"
+        )
+
 
 class DuplicateRequestError(EngineError):
     """A live request already has this id."""
@@ -30,6 +37,9 @@ class DuplicateRequestError(EngineError):
 
 class EngineDrainingError(EngineError):
     """The engine is stopping and admits nothing new."""
+
+    def __init__(self, message: str = "the server is shutting down") -> None:
+        super().__init__(message)
 
 
 class EngineDeadError(EngineError):

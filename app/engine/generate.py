@@ -7,7 +7,8 @@ from itertools import chain
 
 from app.engine.errors import ModelError
 from app.engine.runner import close_quietly, make_runner
-from app.engine.scheduler import Scheduler, StepPlan
+from app.engine.scheduler import Scheduler
+from app.engine.step import ModelOutput, SchedulerOutput
 from app.engine.types import Request, Sequence
 from app.models.protocol import Model
 
@@ -44,9 +45,9 @@ def generate(
         scheduler.add(seq, now)
     try:
         while scheduler.has_work():
-            plan = scheduler.schedule(time.monotonic())
-            tokens = _run_step(runner.execute, plan, seqs)
-            scheduler.apply(plan, tokens, time.monotonic())
+            out = scheduler.schedule(time.monotonic())
+            result = _run_step(runner.execute, out, seqs)
+            scheduler.update(out, result, time.monotonic())
     finally:
         close_quietly(runner)
     return {seq.request_id: seq.generated for seq in seqs}
@@ -99,15 +100,15 @@ def _sequence(request: Request, stops: frozenset[int], include_stop: bool) -> Se
     )
 
 
-def _run_step(execute: object, plan: StepPlan, seqs: list[Sequence]) -> list[int]:
+def _run_step(execute: object, out: SchedulerOutput, seqs: list[Sequence]) -> ModelOutput:
     """Run one model call; on failure raise a ``ModelError`` carrying the partial results."""
     assert callable(execute)
     try:
-        tokens: list[int] = execute(plan)
+        result: ModelOutput = execute(out)
     except ModelError as err:
         err.partial = {seq.request_id: seq.generated for seq in seqs}
         raise
     except Exception as err:
         partial = {seq.request_id: seq.generated for seq in seqs}
         raise ModelError(f"model call failed: {err!r}", partial) from err
-    return tokens
+    return result

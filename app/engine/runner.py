@@ -1,5 +1,5 @@
-"""Turns a ``StepPlan`` into one call of a model, whichever protocol it speaks, and checks what
-comes back. This is the only code that talks to a model; it never changes scheduler state."""
+"""Turns a ``SchedulerOutput`` into one call of a model, whichever protocol it speaks, and checks
+what comes back. This is the only code that talks to a model; it never changes scheduler state."""
 
 from __future__ import annotations
 
@@ -7,17 +7,17 @@ import logging
 from typing import Protocol
 
 from app.engine.errors import ModelOutputError
-from app.engine.scheduler import StepPlan
+from app.engine.step import ModelOutput, SchedulerOutput
 from app.engine.types import Sequence
-from app.models.latency import STEP_STARTED
-from app.models.protocol import CachedModel, Model, StatelessModel
+from app.models.protocol import CachedModel, Model, SamplingParams, StatelessModel, StepBatch
 
 log = logging.getLogger("slotserve.engine")
 
 
 class ModelRunner(Protocol):
-    def execute(self, plan: StepPlan) -> list[int]:
-        """Run the model for ``plan`` and return one validated token per ``plan.batch`` entry."""
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        """Run the model once for ``out`` and return its validated tokens (one per decode
+        request, then one per sampling prefill chunk)."""
         ...
 
     def close(self) -> None:
@@ -25,10 +25,15 @@ class ModelRunner(Protocol):
         another run."""
         ...
 
+    def retry_resets(self) -> frozenset[int]:
+        """Retry the slot resets that failed; return the slots still unavailable."""
+        ...
+
 
 class StatelessRunner:
-    """Feeds each running sequence's token list (prompt + generated, never copied) to
-    ``next_tokens``. With ``pad_sequence`` set, every call has exactly ``num_slots`` entries:
+    """Feeds the full token list (prompt + generated, never copied) of every request that
+    samples in this step to ``next_tokens``; a partial prefill chunk needs no call (the model
+    keeps nothing). With ``pad_sequence`` set, every call has exactly ``num_slots`` entries:
     empty slots carry the pad sequence and their outputs are dropped."""
 
     def __init__(
@@ -37,75 +42,109 @@ class StatelessRunner:
         self.model = model
         self.num_slots = num_slots
         self.pad_sequence = pad_sequence
-        self._batch: list[Sequence] = []  # the previous call's batch and its inputs: while the
-        self._inputs: list[list[int]] = []  # slot table is unchanged, the same lists serve again
+        self._decodes: list[Sequence] = []  # the previous step's decode list and its inputs:
+        self._inputs: list[list[int]] = []  # while it is unchanged, the same lists serve again
 
-    def execute(self, plan: StepPlan) -> list[int]:
-        reset = STEP_STARTED.set(plan.started_at)
-        try:
-            if self.pad_sequence is None:
-                inputs = self._inputs_for(plan.batch)
-                return checked_tokens(self.model.next_tokens(inputs), len(inputs))
-            return self._execute_padded(plan)
-        finally:
-            STEP_STARTED.reset(reset)
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        seqs = out.decode_seqs
+        inputs = self._inputs_for(seqs)
+        if out.prefills:
+            sampling = [s for s, c in zip(out.prefill_seqs, out.prefills, strict=True) if c.sample]
+            seqs, inputs = seqs + sampling, inputs + [s.tokens for s in sampling]
+        if not inputs:
+            return ModelOutput([])
+        if self.pad_sequence is not None:
+            return ModelOutput(self._padded(seqs, inputs))
+        return ModelOutput(checked_tokens(self.model.next_tokens(inputs), len(inputs)))
 
     def close(self) -> None:
-        self._batch, self._inputs = [], []
+        self._decodes, self._inputs = [], []
 
-    def _inputs_for(self, batch: list[Sequence]) -> list[list[int]]:
-        if batch is not self._batch:
-            self._batch, self._inputs = batch, [seq.tokens for seq in batch]
+    def retry_resets(self) -> frozenset[int]:
+        return frozenset()  # a stateless model has no cache to reset
+
+    def _inputs_for(self, decodes: list[Sequence]) -> list[list[int]]:
+        if decodes is not self._decodes:
+            self._decodes, self._inputs = decodes, [seq.tokens for seq in decodes]
         return self._inputs
 
-    def _execute_padded(self, plan: StepPlan) -> list[int]:
+    def _padded(self, seqs: list[Sequence], inputs: list[list[int]]) -> list[int]:
         assert self.pad_sequence is not None
-        inputs = [self.pad_sequence] * self.num_slots
-        for seq in plan.batch:
-            assert seq.slot is not None
-            inputs[seq.slot] = seq.tokens
-        outputs = checked_tokens(self.model.next_tokens(inputs), self.num_slots)
-        return [outputs[seq.slot] for seq in plan.batch if seq.slot is not None]
+        batch = [self.pad_sequence] * self.num_slots
+        slots = [seq.slot for seq in seqs]
+        for slot, tokens in zip(slots, inputs, strict=True):
+            assert slot is not None
+            batch[slot] = tokens
+        outputs = checked_tokens(self.model.next_tokens(batch), self.num_slots)
+        return [outputs[slot] for slot in slots if slot is not None]
 
 
 class CachedRunner:
-    """Resets released slots, prefills admitted ones, then decodes every running slot.
+    """Resets released slots, then makes the model's one ``step`` call for the scheduler output.
 
-    It tracks the slots it has assigned, so a call that failed part-way (a request admitted but
-    never assigned, a release never made) does not make every later call fail: only assigned
-    slots are released, and a slot still assigned when it is handed to a new request is released
-    first.
+    It tracks the slots whose cache holds something, so a call that failed part-way (a release
+    never made) does not make every later call fail: only such slots are released, and a slot
+    still holding a cache when a fresh chunk arrives on it is released first. A release that
+    raises is logged and retried at every step; until one succeeds the slot is
+    reported unavailable (the scheduler takes it out of service) and a fresh chunk scheduled on
+    it is not run, so no request is ever served on a cache that was not reset.
     """
 
     def __init__(self, model: CachedModel) -> None:
         self.model = model
         self._assigned: set[int] = set()
+        self._dirty: set[int] = set()  # assigned slots whose release raised
+        self._decodes: list[Sequence] = []  # the previous step's decode list and the model-
+        self._columns: tuple[list[int], list[SamplingParams], list[str]] = ([], [], [])
 
-    def execute(self, plan: StepPlan) -> list[int]:
-        reset = STEP_STARTED.set(plan.started_at)
-        try:
-            for slot in plan.released:
-                self._release(slot)
-            admitted = {id(seq) for seq in plan.admitted}
-            for seq in plan.admitted:
-                assert seq.slot is not None
-                self._release(seq.slot)
-                self.model.assign(seq.slot, seq.prompt)
-                self._assigned.add(seq.slot)
-            slots = [seq.slot for seq in plan.batch if seq.slot is not None]
-            last = [None if id(seq) in admitted else seq.tokens[-1] for seq in plan.batch]
-            return checked_tokens(self.model.decode(slots, last), len(plan.batch))
-        finally:
-            STEP_STARTED.reset(reset)
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        for slot in [*out.released, *self._dirty]:
+            self._release(slot)
+        prefills = out.prefills
+        if self._dirty:
+            prefills = [c for c in prefills if not (c.fresh and c.slot in self._dirty)]
+        for chunk in prefills:
+            if chunk.fresh:
+                self._release(chunk.slot)  # only if it still holds a cache (a missed release)
+                self._assigned.add(chunk.slot)
+        slots, sampling, ids = self._columns_for(out.decode_seqs)
+        batch = StepBatch(slots, out.decode_tokens, sampling, ids, prefills)
+        tokens = checked_tokens(self.model.step(batch), batch.num_outputs)
+        return ModelOutput(tokens, frozenset(self._dirty))
 
     def close(self) -> None:
         for slot in sorted(self._assigned):
             self._release(slot)
 
+    def retry_resets(self) -> frozenset[int]:
+        for slot in list(self._dirty):
+            self._release(slot)
+        return frozenset(self._dirty)
+
+    def _columns_for(
+        self, decodes: list[Sequence]
+    ) -> tuple[list[int], list[SamplingParams], list[str]]:
+        """The decode slots, sampling parameters and ids: rebuilt only when the list changes."""
+        if decodes is not self._decodes:
+            slots = [seq.slot for seq in decodes if seq.slot is not None]
+            self._decodes = decodes
+            self._columns = (slots, [s.sampling for s in decodes], [s.request_id for s in decodes])
+        return self._columns
+
     def _release(self, slot: int) -> None:
-        if slot in self._assigned:
-            self._assigned.discard(slot)
+        if slot not in self._assigned:
+            return
+        try:
             self.model.release(slot)
+        except Exception as err:
+            if slot not in self._dirty:
+                log.warning("the model failed to reset slot %d (retried each step): %r", slot, err)
+            self._dirty.add(slot)
+            return
+        self._assigned.discard(slot)
+        if self._dirty:
+            self._dirty.discard(slot)
+            log.info("slot %d was reset and is back in service", slot)
 
 
 def close_quietly(runner: ModelRunner) -> None:
@@ -126,7 +165,7 @@ def make_runner(model: Model, num_slots: int, pad_sequence: list[int] | None = N
         return CachedRunner(model)
     if isinstance(model, StatelessModel):
         return StatelessRunner(model, num_slots, pad_sequence)
-    raise TypeError(f"{type(model).__name__} has neither next_tokens() nor assign/release/decode")
+    raise TypeError(f"{type(model).__name__} has neither next_tokens() nor step() and release()")
 
 
 _INT_ONLY = {int}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+from collections.abc import Set
 
 from app.engine.types import Sequence
 
@@ -11,7 +12,9 @@ class SlotTable:
     """``capacity`` slots, each empty or held by one sequence.
 
     Free slots are handed out lowest index first, so a batch keeps a stable, compact order.
-    Invariant: ``len(free) + occupied == capacity`` and ``seq.slot == i`` for a sequence in slot i.
+    A slot whose cache the model failed to reset is out of service (never handed out) until a
+    retried reset succeeds. Invariant: ``len(free) + occupied + idle out-of-service slots ==
+    capacity`` and ``seq.slot == i`` for a sequence in slot i.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -22,6 +25,7 @@ class SlotTable:
         self._free: list[int] = list(range(capacity))  # a heap: lowest free index first
         self._occupied = 0
         self._running: list[Sequence] | None = []  # running(), rebuilt after any change
+        self._out_of_service: set[int] = set()
 
     @property
     def occupied(self) -> int:
@@ -30,6 +34,23 @@ class SlotTable:
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def out_of_service(self) -> frozenset[int]:
+        return frozenset(self._out_of_service)
+
+    def set_out_of_service(self, slots: Set[int]) -> None:
+        """Take ``slots`` out of service and bring back every other slot that was out."""
+        if not slots and not self._out_of_service:
+            return  # the usual case: nothing to do
+        for slot in self._out_of_service - slots:
+            if self._held[slot] is None:
+                heapq.heappush(self._free, slot)
+        for slot in slots - self._out_of_service:
+            if slot in self._free:
+                self._free.remove(slot)
+                heapq.heapify(self._free)
+        self._out_of_service = set(slots)
 
     def allocate(self, seq: Sequence) -> int:
         """Put ``seq`` in the lowest free slot and return its index. Raises if none is free."""
@@ -51,7 +72,8 @@ class SlotTable:
         seq.slot = None
         self._occupied -= 1
         self._running = None
-        heapq.heappush(self._free, slot)
+        if slot not in self._out_of_service:
+            heapq.heappush(self._free, slot)
         return slot
 
     def get(self, slot: int) -> Sequence | None:

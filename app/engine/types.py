@@ -2,14 +2,18 @@
 
 ``Request`` is the seed's request, exactly. ``Sequence`` is the scheduler's live record of one
 request: its token list (prompt followed by the tokens generated so far, appended in place so a
-step never rebuilds a prefix), its slot, its stop rule and its timestamps.
+step never rebuilds a prefix), its status, how many of its tokens the model has processed, its
+slot, its stop rules, its sampling parameters and its timestamps.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from enum import StrEnum
+from enum import IntEnum, StrEnum
+from typing import Protocol
+
+from app.models.protocol import DEFAULT_SAMPLING, SamplingParams
 
 
 @dataclass
@@ -30,6 +34,24 @@ class FinishReason(StrEnum):
     ERROR = "error"  # a model call that included this request failed
 
 
+class RequestStatus(IntEnum):
+    """Where a request is. Ordered: a status >= ``FINISHED`` means it has ended (its
+    ``finish_reason`` says why). Only the scheduler changes it."""
+
+    WAITING = 0  # queued, never admitted
+    RUNNING = 1  # holds a slot: prefilling (possibly over several steps) or decoding
+    PREEMPTED = 2  # was running, gave its slot back, queued to be recomputed and resumed
+    FINISHED = 3
+
+
+class StopCondition(Protocol):
+    """A stop rule beyond stop token ids (stop strings): fed each step's new tokens, it says
+    whether the request must end now. Runs in the engine's output path, so a request ends at the
+    step that completes its stop string whatever its reader's pace."""
+
+    def feed(self, tokens: list[int]) -> bool: ...
+
+
 @dataclass(slots=True)
 class Timestamps:
     """``time.monotonic()`` readings of one request's life, for latency metrics and logs."""
@@ -46,6 +68,14 @@ class Sequence:
 
     ``tokens`` is the prefix the model reads: the prompt followed by every generated token. It is
     one list, appended to in place; ``tokens[prompt_len:]`` are the generated tokens.
+
+    ``num_computed_tokens`` counts the tokens whose key/values the model holds for this request
+    (0 unless running). ``prefill_target`` is ``len(tokens)`` when the request was last
+    admitted: positions below it are prefilled (the prompt, or prompt + generated tokens
+    recomputed after a preemption), in chunks, counted by ``prefilled``; the chunk that reaches
+    it samples a token, and from then on the request decodes one token per step, feeding its
+    last token, so it has computed every token but that one (``len(tokens) - 1``: derived, so
+    the hot path writes nothing per token).
     """
 
     request_id: str
@@ -54,8 +84,16 @@ class Sequence:
     stop_token_ids: frozenset[int]
     include_stop: bool = False
     priority: int = 0
+    sampling: SamplingParams = DEFAULT_SAMPLING
+    stop: StopCondition | None = None
+    user: str | None = None
     prompt_len: int = 0
     token_limit: int = 0  # len(tokens) at which max_tokens is reached
+    status: RequestStatus = RequestStatus.WAITING
+    prefilled: int = 0
+    prefill_target: int = 0
+    num_preemptions: int = 0
+    admission: int = 0  # the scheduler's admission count when it last got a slot
     slot: int | None = None
     finish_reason: FinishReason | None = None
     error: BaseException | None = None
@@ -81,3 +119,16 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def prefilling(self) -> bool:
+        """Running and not yet through its prefill (no token sampled since admission)."""
+        return self.status is RequestStatus.RUNNING and self.prefilled < self.prefill_target
+
+    @property
+    def num_computed_tokens(self) -> int:
+        if self.status is not RequestStatus.RUNNING:
+            return 0
+        if self.prefilled < self.prefill_target:
+            return self.prefilled
+        return len(self.tokens) - 1

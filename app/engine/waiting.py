@@ -1,4 +1,5 @@
-"""The queue of requests waiting for a slot: first come, first served, O(1) removal by id."""
+"""The queue of requests waiting for a slot: first come, first served, O(1) removal by id. A
+preempted request goes back to the front, so it resumes before newer arrivals."""
 
 from __future__ import annotations
 
@@ -21,6 +22,14 @@ class WaitingQueue:
 
     def push(self, seq: Sequence) -> None:
         self._by_id[seq.request_id] = seq
+
+    def push_front(self, seq: Sequence) -> None:
+        self._by_id[seq.request_id] = seq
+        self._by_id.move_to_end(seq.request_id, last=False)
+
+    def peek(self) -> Sequence:
+        """The oldest sequence, left in place."""
+        return next(iter(self._by_id.values()))
 
     def pop(self) -> Sequence:
         """Remove and return the oldest sequence."""

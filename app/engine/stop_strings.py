@@ -1,7 +1,12 @@
-"""Stop strings for the OpenAI routes: text is released only once it cannot be the start of a
-stop string, so a streamed reply never shows part of one."""
+"""Stop strings. ``StopStringMatcher`` releases text only once it cannot be the start of a stop
+string, so a streamed reply never shows part of one. ``StopStrings`` is the engine's stop
+condition: it detokenizes a request's new tokens incrementally at every step and reports the
+step whose tokens complete a stop string, so the request ends there whatever its reader's pace.
+"""
 
 from __future__ import annotations
+
+from app.models.tokenizer import StreamDecoder
 
 
 class StopStringMatcher:
@@ -36,3 +41,17 @@ class StopStringMatcher:
         """At the end of generation: release what was held back."""
         text, self._pending = ("" if self.hit else self._pending), ""
         return text
+
+
+class StopStrings:
+    """A ``StopCondition``: True from the step whose tokens complete one of ``stops``."""
+
+    __slots__ = ("_decoder", "_matcher")
+
+    def __init__(self, stops: list[str], decoder: StreamDecoder) -> None:
+        self._decoder = decoder
+        self._matcher = StopStringMatcher(stops)
+
+    def feed(self, tokens: list[int]) -> bool:
+        self._matcher.feed(self._decoder.feed(tokens))
+        return self._matcher.hit

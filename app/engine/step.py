@@ -1,0 +1,106 @@
+"""The step contract: what the scheduler asks of the model in one step, what the model gives
+back, and what applying it did.
+
+A step is ``out = scheduler.schedule(now)`` -> the runner calls the model once for ``out`` and
+returns a ``ModelOutput`` -> ``scheduler.update(out, model_output, now)`` (or
+``scheduler.fail(out, error, now)``), which returns a ``StepOutcome``. ``update`` is the only
+place a request's tokens and state change after a model call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from app.engine.types import Sequence
+from app.models.protocol import PrefillChunk
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's schedule.
+
+    - ``decode_seqs``: running requests past their prefill, in slot order; each is fed its last
+      generated token (``decode_tokens[i]``, read when first asked for: a stateless model never
+      needs it) and gets one new token. The list is shared between steps while it does not
+      change: never modify it.
+    - ``prefill_seqs[i]`` is fed ``prefills[i]``: a chunk of its prompt (or, after a preemption,
+      of prompt + generated tokens) starting at ``prefills[i].start`` (0: the slot's cache starts
+      fresh); a chunk with ``sample`` set completes the prefill and gets one new token.
+    - ``released``: slots freed since the last step (their caches must be reset before use).
+    - ``admitted``: requests that entered a slot in this step for the first time; ``resumed``:
+      preempted requests that got a slot again; ``preempted``: requests preempted in this step.
+    - ``num_prefill_tokens`` (prompt or recomputed tokens fed) and ``num_decode_tokens``
+      (requests fed their last generated token) drive the step clock and the metrics.
+    """
+
+    decode_seqs: list[Sequence]
+    prefill_seqs: list[Sequence] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
+    resumed: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    started_at: float = 0.0
+    _decode_tokens: list[int] | None = None
+
+    @property
+    def decode_tokens(self) -> list[int]:
+        if self._decode_tokens is None:
+            self._decode_tokens = [seq.tokens[-1] for seq in self.decode_seqs]
+        return self._decode_tokens
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return len(self.decode_seqs)
+
+    @property
+    def num_outputs(self) -> int:
+        """Tokens the model must return: one per decode, one per sampling prefill chunk."""
+        return len(self.decode_seqs) + sum(1 for chunk in self.prefills if chunk.sample)
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to run: no model call is made for this output."""
+        return not self.decode_seqs and not self.prefills
+
+    def scheduled(self) -> list[Sequence]:
+        """Every request the step feeds tokens to."""
+        return [*self.decode_seqs, *self.prefill_seqs]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelOutput:
+    """The model's answer to one ``SchedulerOutput``: ``tokens`` has one id per decode request,
+    in order, then one per prefill chunk with ``sample`` set, in order. A partial chunk adds
+    nothing.
+
+    ``unavailable_slots``: slots whose cache the model failed to reset, even when retried. They
+    are out of service until a later retry succeeds; a fresh chunk scheduled on one was not run
+    (and has no token here): its request goes back to the queue and loses nothing.
+    """
+
+    tokens: list[int]
+    unavailable_slots: frozenset[int] = frozenset()
+
+    def ran(self, chunk: PrefillChunk) -> bool:
+        """Whether ``chunk`` was run (not skipped for an unavailable slot)."""
+        return not (chunk.fresh and chunk.slot in self.unavailable_slots)
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What applying one step did (for metrics and logs).
+
+    ``finished``: requests the step ended. ``num_generated``: tokens appended to requests still
+    running when the call returned (a token for a request aborted during the call is dropped).
+    ``num_decode_generated``: the part of it from decode requests (each continues from the
+    previous step, so it is one inter-token gap). ``error``: set if the model call failed.
+    """
+
+    output: SchedulerOutput
+    ended_at: float
+    finished: list[Sequence] = field(default_factory=list)
+    num_generated: int = 0
+    num_decode_generated: int = 0
+    error: BaseException | None = None
