@@ -14,13 +14,16 @@ from app.api.errors import error_body
 router = APIRouter(tags=["operations"])
 
 
-@router.get("/health", responses={503: {"description": "draining, or the engine is dead"}})
+@router.get(
+    "/health",
+    responses={503: {"description": "loading the model, draining, or the engine is dead"}},
+)
 async def health(serving: ServingDep) -> Response:
-    """200 while serving; 503 while draining for shutdown or once the engine task has died."""
-    engine = serving.engine
-    if serving.ready:
+    """200 while serving; 503 while a real model loads (or failed to load), while draining for
+    shutdown, or once the engine task has died."""
+    state = serving.state
+    if state == "ok":
         return JSONResponse({"status": "ok"})
-    state = "draining" if engine.draining else "engine_dead"
     body = error_body(f"not serving: {state}", "service_unavailable", None, state)
     return JSONResponse(body | {"status": state}, status_code=503)
 

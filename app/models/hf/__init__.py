@@ -6,6 +6,13 @@ only when it runs, and says in one line how to install them if they are missing.
 """
 
 from app.models.hf.errors import ModelLoadError
-from app.models.hf.loader import LoadedModel, load_model
+from app.models.hf.loader import LoadedModel, check_spec, is_real_model, load_model, served_name
 
-__all__ = ["LoadedModel", "ModelLoadError", "load_model"]
+__all__ = [
+    "LoadedModel",
+    "ModelLoadError",
+    "check_spec",
+    "is_real_model",
+    "load_model",
+    "served_name",
+]

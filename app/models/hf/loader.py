@@ -18,6 +18,7 @@ from app.models.hf.weights import (
     go_offline,
     require,
     smollm2_folder,
+    smollm2_gguf,
 )
 
 if TYPE_CHECKING:
@@ -49,6 +50,38 @@ def is_real_model(spec: str) -> bool:
     return spec == SMOLLM2 or spec.startswith("hf:")
 
 
+def check_spec(spec: str) -> None:
+    """The checks ``load_model`` would fail on first, done without importing torch (so a
+    server can refuse to start at once): the spec's form, the installed packages, the
+    checkpoint folder and its architecture. Raises ``ModelLoadError``."""
+    from app.models.hf.config import SUPPORTED_ARCHITECTURES
+
+    if spec == SMOLLM2:
+        require("torch", "transformers", "safetensors", "gguf", "accelerate")
+        smollm2_gguf()
+        return
+    if not (spec.startswith("hf:") and spec[3:]):
+        raise ModelLoadError(f"unknown model {spec!r}: expected smollm2 or hf:PATH")
+    require("torch", "transformers", "safetensors")
+    folder = checkpoint_folder(spec[3:])
+    try:
+        archs = json.loads((folder / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ModelLoadError(f"{folder}: unreadable config.json ({exc})") from exc
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ModelLoadError(
+            f"unsupported architecture {archs or '(none in config.json)'}: slotserve serves "
+            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+
+
+def served_name(spec: str) -> str:
+    """The name a real model is served under unless ``--model-name`` says otherwise."""
+    if spec == SMOLLM2:
+        return SMOLLM2_NAME
+    return Path(spec.removeprefix("hf:")).expanduser().resolve().name
+
+
 def load_model(
     spec: str,
     *,
@@ -71,7 +104,7 @@ def load_model(
         name = SMOLLM2_NAME
     elif spec.startswith("hf:") and spec[3:]:
         folder = checkpoint_folder(spec[3:])
-        name = folder.resolve().name
+        name = served_name(spec)
     else:
         raise ModelLoadError(f"unknown model {spec!r}: expected smollm2 or hf:PATH")
     require("torch", "transformers", "safetensors")
