@@ -1,4 +1,5 @@
-"""The asyncio engine: streaming, aborts, model failures, engine death, back-pressure, drain."""
+"""The asyncio engine: streaming, aborts, model failures, engine death, back-pressure, drain,
+the step clock, chunked prefill and KV preemptions."""
 
 from __future__ import annotations
 
@@ -6,13 +7,14 @@ import asyncio
 import random
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
 from reference import run_alone
 
+import app.engine.engine as engine_module
 from app import Request, generate
 from app.engine.core import EngineConfig
 from app.engine.engine import Engine, Signal
@@ -22,13 +24,15 @@ from app.engine.errors import (
     EngineDrainingError,
     QueueFullError,
 )
-from app.engine.scheduler import BatchingPolicy, StepPlan
+from app.engine.scheduler import BatchingPolicy
+from app.engine.step import ModelOutput, SchedulerOutput, StepOutcome
+from app.engine.step_clock import JITTER_CAP, StepClock, StepCosts, sleep_until
 from app.engine.stream import Delta, RequestStream
 from app.engine.types import FinishReason, Sequence
 from app.models.cached_mock import CachedMockModel
-from app.models.latency import STEP_STARTED
 from app.models.mock import MockModel
 from app.models.mock_language import MockLanguage
+from app.models.protocol import StepBatch
 
 TEXT_STOP = 256
 STOP = 7
@@ -311,10 +315,10 @@ async def test_cached_engine_recovers_from_a_failed_prefill() -> None:
     """A prefill that raises must cost only that step's requests, not every later one."""
 
     class BadPrompt(CachedMockModel):
-        def assign(self, slot: int, prompt: list[int]) -> None:
-            if prompt == [666]:
+        def step(self, batch: StepBatch) -> list[int]:
+            if any(chunk.token_ids == [666] for chunk in batch.prefills):
                 raise RuntimeError("prompt too long")
-            super().assign(slot, prompt)
+            return super().step(batch)
 
     ref_model = MockModel(NEVER_STOPS)
     async with running(BadPrompt(2, NEVER_STOPS), num_slots=2) as engine:
@@ -345,10 +349,10 @@ async def test_engine_death_ends_every_stream_and_refuses_new_work(
     engine = Engine(MockModel(NEVER_STOPS), EngineConfig(num_slots=2))
     crash = RuntimeError("bookkeeping bug")
 
-    def complete(plan: StepPlan, tokens: list[int]) -> None:
+    def update(out: SchedulerOutput, result: ModelOutput) -> None:
         raise crash
 
-    monkeypatch.setattr(engine.core, "complete", complete)
+    monkeypatch.setattr(engine.core, "update", update)
     await engine.start()
     streams = [engine.submit(seq(f"r{i}", [i], 50)) for i in range(3)]  # 2 running, 1 waiting
     for stream in streams:
@@ -434,7 +438,7 @@ async def test_an_idle_engine_leaves_no_cache_in_use() -> None:
         for stream in streams:
             await stream.collect()
         await engine.wait_idle()
-        assert model.cache_usage() == 0
+        assert model.held_slots() == []
         assert (await engine.submit(seq("again", [TAG], 3)).collect())[1] is FinishReason.LENGTH
 
 
@@ -446,12 +450,12 @@ async def test_stop_releases_every_slot_of_a_cached_model() -> None:
     for stream in streams:
         await stream.collect()
     await engine.stop()
-    assert model.cache_usage() == 0
+    assert model.held_slots() == []
 
 
 class BlockingCachedModel(CachedMockModel):
-    """A cached mock whose ``decode`` waits for ``gate`` and which records every release with
-    whether a decode was running at the time; ``release`` raises when ``fail_release``."""
+    """A cached mock whose ``step`` waits for ``gate`` and which records every release with
+    whether a step was running at the time; ``release`` raises when ``fail_release``."""
 
     blocking = True  # its calls wait: the engine runs them in its worker thread
 
@@ -464,12 +468,12 @@ class BlockingCachedModel(CachedMockModel):
         self.fail_release = fail_release
         self.releases: list[tuple[int, bool]] = []
 
-    def decode(self, slots: list[int], last_tokens: list[int | None]) -> list[int]:
+    def step(self, batch: StepBatch) -> list[int]:
         self.decoding = True
         self.loop.call_soon_threadsafe(self.entered.set)
         try:
             self.gate.wait(timeout=10)
-            return super().decode(slots, last_tokens)
+            return super().step(batch)
         finally:
             self.decoding = False
 
@@ -547,7 +551,7 @@ async def test_stop_does_not_hang_on_a_model_call_that_never_returns() -> None:
         model.gate.set()  # let the worker thread finish
 
 
-# --- threading, policy, latency ---------------------------------------------------------------
+# --- threading, policy -----------------------------------------------------------------------
 
 
 async def test_model_calls_run_off_the_event_loop() -> None:
@@ -596,33 +600,6 @@ async def test_static_policy_admits_only_into_an_empty_batch(policy: BatchingPol
         assert len(model.batches) == 6
 
 
-@pytest.mark.parametrize("offload", [True, False])
-async def test_the_model_measures_its_latency_from_the_steps_start(offload: bool) -> None:
-    """A simulated step of L ms ends L after the step began, not L after the model call began:
-    the engine hands the model each step's start time (``STEP_STARTED``), even across the
-    thread hop. The timer's own arithmetic is tested in test_models."""
-    seen: list[float | None] = []
-    started: list[float] = []
-
-    class StartRecorder:
-        blocking = offload
-
-        def next_tokens(self, batch: list[list[int]]) -> list[int]:
-            seen.append(STEP_STARTED.get())
-            return [1] * len(batch)
-
-    class Observer:
-        def on_step(self, plan: StepPlan, ended: float) -> None:
-            started.append(plan.started_at)
-
-        def on_finished(self, seq: Sequence) -> None:
-            pass
-
-    async with running(StartRecorder(), Observer(), num_slots=2) as engine:
-        await asyncio.gather(*(engine.submit(seq(f"r{i}", [1], 3 + i)).collect() for i in range(3)))
-    assert seen == started and len(seen) >= 4
-
-
 # --- observer ---------------------------------------------------------------------------------
 
 
@@ -632,9 +609,9 @@ async def test_observer_sees_every_step_and_every_end_once() -> None:
             self.steps = 0
             self.finished: list[str] = []
 
-        def on_step(self, plan: StepPlan, ended: float) -> None:
+        def on_step(self, outcome: StepOutcome) -> None:
             self.steps += 1
-            assert ended >= plan.started_at
+            assert outcome.ended_at >= outcome.output.started_at and outcome.error is None
 
         def on_finished(self, seq: Sequence) -> None:
             self.finished.append(seq.request_id)
@@ -658,3 +635,209 @@ async def test_inline_model_calls_still_let_the_event_loop_run_between_steps() -
         assert engine.abort("long")
         tokens, reason, _ = await long.collect()
         assert reason is FinishReason.ABORT and len(tokens) < 100
+
+
+# --- the step clock ---------------------------------------------------------------------------
+
+
+def test_step_clock_mean_and_enabled() -> None:
+    assert not StepCosts().enabled
+    assert StepClock(StepCosts()).duration(100, 8) == 0.0
+    costs = StepCosts(step_ms=10, prefill_token_ms=0.5, decode_token_ms=2)
+    assert costs.enabled
+    assert StepClock(costs).duration(20, 4) == pytest.approx((10 + 10 + 8) / 1000)
+    assert StepClock(costs).deadline(5.0, 0, 1) == pytest.approx(5.012)
+
+
+@pytest.mark.parametrize("jitter", [0.1, 0.3, 1.0, 50.0])
+def test_step_clock_jitter_is_capped_at_30_percent(jitter: float) -> None:
+    clock = StepClock(StepCosts(step_ms=100, jitter=jitter), seed=7)
+    samples = [clock.duration(0, 1) for _ in range(3_000)]
+    assert min(samples) >= 0.1 * (1 - JITTER_CAP) - 1e-12
+    assert max(samples) <= 0.1 * (1 + JITTER_CAP) + 1e-12
+    assert JITTER_CAP == 0.3
+    assert sum(samples) / len(samples) == pytest.approx(0.1, rel=0.05)
+    assert max(samples) > min(samples)  # it does jitter
+    again = StepClock(StepCosts(step_ms=100, jitter=jitter), seed=7)
+    assert [again.duration(0, 1) for _ in range(3_000)] == samples  # seeded: reproducible
+
+
+class FakeTime:
+    """A clock the test moves: the model's call takes ``call_seconds`` of it, and the engine's
+    waits for a step's deadline (recorded) take what they ask."""
+
+    def __init__(self, call_seconds: float) -> None:
+        self.now = 100.0
+        self.call_seconds = call_seconds
+        self.waits: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep_until(self, deadline: float, clock: Callable[[], float]) -> None:
+        assert clock is self
+        self.waits.append(max(0.0, deadline - self.now))
+        self.now = max(self.now, deadline)
+        await asyncio.sleep(0)
+
+
+class StepRecorder:
+    """An observer keeping every step's outcome summary."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, float, int, int]] = []  # started, ended, prefill, decode
+        self.outcomes: list[StepOutcome] = []
+
+    def on_step(self, outcome: StepOutcome) -> None:
+        out = outcome.output
+        self.outcomes.append(outcome)
+        self.steps.append(
+            (out.started_at, outcome.ended_at, out.num_prefill_tokens, out.num_decode_tokens)
+        )
+
+    def on_finished(self, seq: Sequence) -> None:
+        pass
+
+
+@pytest.mark.parametrize("call_ms", [0.0, 30.0, 200.0])
+async def test_a_step_lasts_its_cost_from_the_steps_start(
+    call_ms: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step of ``b0 + b1 * prefill + b2 * decode`` ms ends that long after it was scheduled:
+    the engine sleeps only for what the model call left of it (nothing once the call took
+    longer), on the event loop."""
+    fake = FakeTime(call_ms / 1000)
+
+    class TimedModel(MockModel):
+        def next_tokens(self, batch: list[list[int]]) -> list[int]:
+            fake.now += fake.call_seconds
+            return super().next_tokens(batch)
+
+    costs = StepCosts(step_ms=50, prefill_token_ms=1, decode_token_ms=2)
+    recorder = StepRecorder()
+    engine = Engine(TimedModel(NEVER_STOPS), EngineConfig(num_slots=2, step_costs=costs), recorder)
+    engine.core.clock = fake
+    monkeypatch.setattr(engine_module, "sleep_until", fake.sleep_until)
+    await engine.start()
+    try:
+        a = engine.submit(seq("a", [1, 2, 3], 3))
+        b = engine.submit(seq("b", [4], 2))
+        await asyncio.gather(a.collect(), b.collect())
+    finally:
+        await engine.stop()
+    assert [(p, d) for _, _, p, d in recorder.steps] == [(4, 0), (0, 2), (0, 1)]
+    expected = [max(0.0, (50 + p + 2 * d - call_ms) / 1000) for _, _, p, d in recorder.steps]
+    assert fake.waits == pytest.approx(expected)
+    for started, ended, p, d in recorder.steps:
+        assert ended - started == pytest.approx(max(50 + p + 2 * d, call_ms) / 1000)
+
+
+async def test_sleep_until_returns_at_the_deadline_not_before() -> None:
+    for delay in (0.0, 0.0005, 0.003, 0.02):
+        deadline = time.monotonic() + delay
+        await sleep_until(deadline)
+        assert time.monotonic() >= deadline
+    await sleep_until(time.monotonic() - 1.0)  # a deadline already past: no wait
+
+
+async def test_a_step_takes_at_least_its_cost_in_real_time() -> None:
+    costs = StepCosts(step_ms=4, prefill_token_ms=0.5, decode_token_ms=1)
+    recorder = StepRecorder()
+    async with running(MockModel(NEVER_STOPS), recorder, num_slots=3, step_costs=costs) as engine:
+        streams = [engine.submit(seq(f"r{i}", [TAG + i] * (1 + 4 * i), 4)) for i in range(3)]
+        await asyncio.gather(*(s.collect() for s in streams))
+    assert recorder.steps
+    for started, ended, p, d in recorder.steps:
+        assert ended - started >= (4 + 0.5 * p + d) / 1000 - 1e-3
+
+
+async def test_step_costs_do_not_change_outputs() -> None:
+    requests = [Request(f"r{i}", [TAG + i, i], 6 + i) for i in range(5)]
+    expected = generate(MockModel(STOPS_OFTEN), requests, 2, STOP)
+    costs = StepCosts(decode_token_ms=0.05, prefill_token_ms=0.01, jitter=0.2)
+    async with running(MockModel(STOPS_OFTEN), num_slots=2, step_costs=costs) as engine:
+        streams = [engine.submit(seq(r.request_id, r.prompt, r.max_tokens)) for r in requests]
+        results = await asyncio.gather(*(s.collect() for s in streams))
+    assert {r.request_id: tokens for r, (tokens, _, _) in zip(requests, results, strict=True)} == (
+        expected
+    )
+
+
+# --- chunked prefill and KV preemptions -------------------------------------------------------
+
+
+@pytest.mark.parametrize("cached", [True, False])
+async def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_keep_decoding(
+    cached: bool,
+) -> None:
+    """One 6,000-token prompt arriving among 4 decoding requests with a budget of 512 tokens per
+    step is prefilled over 12 steps (508 prompt tokens each, 412 in the last), and the 4 get one
+    token in every one of those steps: the long prompt never stalls them."""
+    recorder = StepRecorder()
+    model = CachedMockModel(5, NEVER_STOPS) if cached else MockModel(NEVER_STOPS)
+    async with running(model, recorder, num_slots=5, max_num_batched_tokens=512) as engine:
+        decoders = [engine.submit(seq(f"d{i}", [TAG + i, 1, 2], 10**6)) for i in range(4)]
+        for stream in decoders:
+            await anext(stream)  # all 4 are decoding
+        prompt = [random.Random(0).randrange(50) for _ in range(6_000)]
+        long = engine.submit(seq("long", prompt, 3))
+        assert await long.collect() == (
+            reference(MockModel(NEVER_STOPS), prompt, 3, STOP),
+            FinishReason.LENGTH,
+            None,
+        )
+        for stream in decoders:
+            engine.abort(stream.request_id)
+        await asyncio.gather(*(s.collect() for s in decoders))
+    first = next(i for i, o in enumerate(recorder.outcomes) if o.output.admitted)
+    assert [s.request_id for s in recorder.outcomes[first].output.admitted] == [
+        "d0",
+        "d1",
+        "d2",
+        "d3",
+    ]
+    start = next(
+        i
+        for i, o in enumerate(recorder.outcomes)
+        if any(s.request_id == "long" for s in o.output.admitted)
+    )
+    window = recorder.outcomes[start : start + 13]
+    assert [(o.output.num_prefill_tokens, o.output.num_decode_tokens) for o in window] == [
+        *[(508, 4)] * 11,
+        (412, 4),
+        (0, 5),  # the long request decodes with the others
+    ]
+    assert all(o.num_decode_generated == 4 for o in window[:12])  # the 4 got a token each step
+    assert [o.output.prefills[0].sample for o in window[:12]] == [False] * 11 + [True]
+    assert all(max(len(c.token_ids) for c in o.output.prefills) <= 512 for o in window[:12])
+
+
+@pytest.mark.parametrize("cached", [True, False])
+async def test_kv_preemptions_are_invisible_to_streams(cached: bool) -> None:
+    """A KV cache too small for every running request preempts the most recently admitted
+    ones; each resumes where it stopped, so every stream gets exactly the reference's tokens,
+    none twice and none missing."""
+    rng = random.Random(3)
+    requests = [
+        Request(f"r{i}", [TAG + i, *(rng.randrange(50) for _ in range(rng.randint(0, 7)))], 30)
+        for i in range(8)
+    ]
+    recorder = StepRecorder()
+    model = CachedMockModel(3, NEVER_STOPS) if cached else MockModel(NEVER_STOPS)
+    config: dict[str, Any] = {"num_slots": 3, "block_size": 4, "kv_cache_tokens": 40}
+    async with running(model, recorder, **config) as engine:
+        streams = [engine.submit(seq(r.request_id, r.prompt, r.max_tokens)) for r in requests]
+        results = await asyncio.gather(*(deltas_of(s) for s in streams))
+        scheduler = engine.core.scheduler
+        assert scheduler.books.used(scheduler.slots.running()) == 0
+    for request, deltas in zip(requests, results, strict=True):
+        expected = reference(MockModel(NEVER_STOPS), request.prompt, request.max_tokens, STOP)
+        assert check_deltas(deltas, expected) is FinishReason.LENGTH
+    preempted = [s for o in recorder.outcomes for s in o.output.preempted]
+    assert preempted  # the cache was small enough to preempt
+    resumed = [s for o in recorder.outcomes for s in o.output.resumed]
+    assert sorted(s.request_id for s in resumed) == sorted(s.request_id for s in preempted)
+    admitted = [s.request_id for o in recorder.outcomes for s in o.output.admitted]
+    assert sorted(admitted) == sorted(r.request_id for r in requests)  # each admitted once
+    if cached:
+        assert model.held_slots() == []  # type: ignore[union-attr]

@@ -1,7 +1,9 @@
 """A hypothesis state machine driving ``EngineCore`` step by step, without an event loop, the way
-the asyncio engine does: ``plan = schedule()``, run the model, ``complete()`` (or ``fail()``),
-with submits and aborts interleaved anywhere, including between a plan's admission and its
-first output. Run against both the stateless and the KV-cache mock, and both batching policies.
+the asyncio engine does: ``out = schedule()``, run the model, ``update()`` (or ``fail()``), with
+submits, aborts and preemptions interleaved anywhere, including between a request's admission
+and its first output. Run against both the stateless and the KV-cache mock, both batching
+policies, token budgets and prefill chunk caps small enough to chunk prompts, and KV capacities
+small enough to preempt.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -25,9 +27,10 @@ from reference import run_alone
 from app.engine.core import EngineConfig, EngineCore
 from app.engine.errors import DuplicateRequestError, QueueFullError
 from app.engine.runner import make_runner
-from app.engine.scheduler import BatchingPolicy, StepPlan
+from app.engine.scheduler import BatchingPolicy
+from app.engine.step import ModelOutput, SchedulerOutput, StepOutcome
 from app.engine.stream import Delta, RequestStream
-from app.engine.types import FinishReason, Sequence
+from app.engine.types import FinishReason, RequestStatus, Sequence
 from app.models.cached_mock import CachedMockModel
 from app.models.mock import MockModel
 from app.models.mock_language import MockLanguage
@@ -51,10 +54,10 @@ def reference(prompt: tuple[int, ...], max_tokens: int, include_stop: bool) -> l
 class CountingObserver:
     def __init__(self) -> None:
         self.finished: Counter[int] = Counter()
-        self.steps: list[StepPlan] = []
+        self.steps: list[StepOutcome] = []
 
-    def on_step(self, plan: StepPlan, ended: float) -> None:
-        self.steps.append(plan)
+    def on_step(self, outcome: StepOutcome) -> None:
+        self.steps.append(outcome)
 
     def on_finished(self, seq: Sequence) -> None:
         self.finished[id(seq)] += 1
@@ -86,11 +89,17 @@ class Tracked:
         return not self.ended and (self.seq.num_generated > self.read or self.seq.finished)
 
 
+MAX_COMPUTED = 4 + 6 - 1  # the most tokens a request computes: a 4-token prompt, 6 generated
+
+
 class EngineCoreMachine(RuleBasedStateMachine):
     core: EngineCore
     num_slots: int
     max_waiting: int
     policy: BatchingPolicy
+    budget: int | None
+    chunk_cap: int | None
+    model: MockModel | CachedMockModel
 
     def __init__(self) -> None:
         super().__init__()
@@ -103,13 +112,43 @@ class EngineCoreMachine(RuleBasedStateMachine):
         max_waiting=st.integers(0, 3),
         cached=st.booleans(),
         static=st.booleans(),
+        extra_budget=st.none() | st.integers(0, 6),
+        chunk_cap=st.none() | st.integers(1, 4),
+        block_size=st.integers(1, 4),
+        extra_blocks=st.none() | st.integers(0, 4),
     )
-    def setup(self, num_slots: int, max_waiting: int, cached: bool, static: bool) -> None:
+    def setup(
+        self,
+        num_slots: int,
+        max_waiting: int,
+        cached: bool,
+        static: bool,
+        extra_budget: int | None,
+        chunk_cap: int | None,
+        block_size: int,
+        extra_blocks: int | None,
+    ) -> None:
+        """``extra_budget``: the token budget beyond one token per slot (None: no budget).
+        ``extra_blocks``: KV blocks beyond what the longest request needs alone (None: no KV
+        limit), so every request fits the cache alone but not always together."""
         self.num_slots, self.max_waiting = num_slots, max_waiting
         self.policy = BatchingPolicy.STATIC if static else BatchingPolicy.CONTINUOUS
-        model = CachedMockModel(num_slots, LANGUAGE) if cached else MockModel(LANGUAGE)
-        config = EngineConfig(num_slots=num_slots, max_waiting=max_waiting, policy=self.policy)
-        self.core = EngineCore(make_runner(model, num_slots), config, self.observer)
+        self.budget = None if extra_budget is None else num_slots + extra_budget
+        self.chunk_cap = chunk_cap
+        kv_tokens = None
+        if extra_blocks is not None:
+            kv_tokens = (-(-MAX_COMPUTED // block_size) + extra_blocks) * block_size
+        self.model = CachedMockModel(num_slots, LANGUAGE) if cached else MockModel(LANGUAGE)
+        config = EngineConfig(
+            num_slots=num_slots,
+            max_waiting=max_waiting,
+            policy=self.policy,
+            max_num_batched_tokens=self.budget,
+            max_prefill_chunk=chunk_cap,
+            block_size=block_size,
+            kv_cache_tokens=kv_tokens,
+        )
+        self.core = EngineCore(make_runner(self.model, num_slots), config, self.observer)
 
     # --- rules ----------------------------------------------------------------------------
 
@@ -187,45 +226,81 @@ class EngineCoreMachine(RuleBasedStateMachine):
 
     @rule()
     def step(self) -> None:
-        plan = self._schedule()
-        if plan.batch:
-            self._complete(plan, self.core.runner.execute(plan))
+        out = self._schedule()
+        if not out.empty:
+            self._update(out, self.core.runner.execute(out))
+
+    @precondition(lambda self: hasattr(self, "core") and self.core.num_running)
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        """A running request (prefilling or decoding) is preempted between two steps: it gives
+        its slot and blocks back and waits at the front of the queue. When it resumes it
+        recomputes prompt + generated tokens and goes on as if nothing happened (checked by the
+        reference and stream invariants)."""
+        scheduler = self.core.scheduler
+        seq = data.draw(st.sampled_from(list(scheduler.slots.running())))
+        generated, preemptions = list(seq.generated), seq.num_preemptions
+        times = (seq.times.admitted, seq.times.first_token)
+        scheduler.preempt(seq, self.core.clock())
+        assert seq.status is RequestStatus.PREEMPTED and seq.slot is None
+        assert seq.num_computed_tokens == 0 and seq.num_preemptions == preemptions + 1
+        assert scheduler.waiting.peek() is seq
+        assert seq.generated == generated and not seq.finished
+        assert (seq.times.admitted, seq.times.first_token) == times
 
     @precondition(lambda self: hasattr(self, "core") and self.core.live)
     @rule(data=st.data())
     def step_with_abort_before_output(self, data: st.DataObject) -> None:
         """Aborts that arrive while the model runs (the engine applies them before the call's
         tokens): the aborted request gets none of the call's tokens and its slot is free."""
-        plan = self._schedule()
-        if not plan.batch:
+        out = self._schedule()
+        if out.empty:
             return
-        tokens = self.core.runner.execute(plan)
-        victims = data.draw(st.lists(st.sampled_from(plan.batch), unique_by=id, min_size=1))
+        tokens = self.core.runner.execute(out)
+        victims = data.draw(st.lists(st.sampled_from(out.scheduled()), unique_by=id, min_size=1))
         before = {id(seq): seq.num_generated for seq in victims}
         for seq in victims:
             self.core.abort(seq.request_id)
-        self._complete(plan, tokens)
+        self._update(out, tokens)
         for seq in victims:
             assert seq.finish_reason is FinishReason.ABORT
             assert seq.num_generated == before[id(seq)]
-            if seq in plan.admitted:
+            if seq in out.admitted:
                 assert seq.generated == []
+
+    @precondition(lambda self: hasattr(self, "core") and self.core.num_running)
+    @rule(data=st.data())
+    def step_with_preempt_before_output(self, data: st.DataObject) -> None:
+        """Preemptions while the model runs: the preempted requests get none of the call's
+        tokens (they recompute them when they resume) and hold no blocks."""
+        out = self._schedule()
+        if out.empty:
+            return
+        tokens = self.core.runner.execute(out)
+        victims = data.draw(st.lists(st.sampled_from(out.scheduled()), unique_by=id, min_size=1))
+        before = {id(seq): list(seq.generated) for seq in victims}
+        for seq in victims:
+            self.core.scheduler.preempt(seq, self.core.clock())
+        self._update(out, tokens)
+        for seq in victims:
+            assert seq.status is RequestStatus.PREEMPTED and seq.generated == before[id(seq)]
+            assert seq.num_computed_tokens == 0 and seq.slot is None
 
     @precondition(lambda self: hasattr(self, "core") and self.core.live)
     @rule(model_ran=st.booleans())
     def failing_step(self, model_ran: bool) -> None:
         """The model call fails, before doing anything or after its work (a bad output)."""
-        plan = self._schedule()
-        if not plan.batch:
+        out = self._schedule()
+        if out.empty:
             return
         if model_ran:
-            self.core.runner.execute(plan)
+            self.core.runner.execute(out)
         err = InjectedModelFailure("injected")
         self.injected.add(id(err))
-        in_call = [seq for seq in plan.batch if not seq.finished]
+        in_call = [seq for seq in out.scheduled() if not seq.finished]
         others = {id(t.seq): t.seq.num_generated for t in self.requests if not t.seq.finished}
         steps = len(self.observer.steps)
-        self.core.fail(plan, err)
+        self.core.fail(out, err)
         assert len(self.observer.steps) == steps + 1
         for seq in in_call:
             assert seq.finish_reason is FinishReason.ERROR and seq.error is err
@@ -276,6 +351,33 @@ class EngineCoreMachine(RuleBasedStateMachine):
         assert self.core.num_running == self.core.scheduler.slots.occupied
 
     @invariant()
+    def kv_books_hold(self) -> None:
+        """Running requests hold ``ceil(computed / block_size)`` blocks, within the capacity;
+        nothing else holds any. A cached model's cache holds exactly the computed tokens."""
+        if not hasattr(self, "core"):
+            return
+        scheduler = self.core.scheduler
+        books, running = scheduler.books, scheduler.slots.running()
+        used = books.used(running)
+        assert used == sum(books.blocks_for(seq.num_computed_tokens) for seq in running)
+        assert 0 <= used <= books.total
+        for tracked in self.requests:
+            seq = tracked.seq
+            if seq.status is RequestStatus.RUNNING:
+                computed = seq.prefilled if seq.prefilling else len(seq.tokens) - 1
+                assert seq.num_computed_tokens == computed
+                assert seq.num_generated == 0 or not seq.prefilling or seq.num_preemptions
+            else:
+                assert seq.num_computed_tokens == 0 and seq.slot is None
+        if isinstance(self.model, CachedMockModel):
+            held = set(self.model.held_slots())
+            for seq in running:
+                assert seq.slot is not None
+                if seq.num_computed_tokens:
+                    assert seq.slot in held
+                    assert self.model.cached_tokens(seq.slot) == seq.num_computed_tokens
+
+    @invariant()
     def every_request_ends_exactly_once(self) -> None:
         for tracked in self.requests:
             expected = 1 if tracked.seq.finished else 0
@@ -307,27 +409,60 @@ class EngineCoreMachine(RuleBasedStateMachine):
 
     # --- helpers ---------------------------------------------------------------------------
 
-    def _schedule(self) -> StepPlan:
-        waiting_before = len(self.core.scheduler.waiting)
+    def _schedule(self) -> SchedulerOutput:
+        scheduler = self.core.scheduler
+        waiting_before = len(scheduler.waiting)
         running_before = self.core.num_running
-        plan = self.core.schedule()
-        batch = plan.batch
-        assert len(batch) <= self.num_slots
-        assert [seq.slot for seq in batch] == sorted(seq.slot for seq in batch)  # type: ignore[type-var]
-        assert all(seq in batch and not seq.finished for seq in plan.admitted)
-        if self.policy is BatchingPolicy.CONTINUOUS:
+        out = self.core.schedule()
+        # requests holding slots always make progress (no KV deadlock between prefills)
+        assert not out.empty or not self.core.num_running
+        for name, happened in [
+            ("preempted", out.preempted),
+            ("resumed", out.resumed),
+            ("partial prefill chunk", [c for c in out.prefills if not c.sample]),
+        ]:
+            if happened:
+                event(name)
+        scheduled = out.scheduled()
+        running = scheduler.slots.running()
+        assert len(scheduled) <= self.num_slots and len(set(map(id, scheduled))) == len(scheduled)
+        assert all(seq.status is RequestStatus.RUNNING for seq in scheduled)
+        assert [seq.slot for seq in out.decode_seqs] == sorted(s.slot for s in out.decode_seqs)  # type: ignore[type-var]
+        # every request past its prefill decodes in every step, and is fed its last token
+        assert out.decode_seqs == [seq for seq in running if not seq.prefilling]
+        assert out.decode_tokens == [seq.tokens[-1] for seq in out.decode_seqs]
+        assert all(seq in out.prefill_seqs for seq in out.admitted + out.resumed)
+        assert all(seq.num_preemptions == 0 for seq in out.admitted)
+        assert all(seq.num_preemptions > 0 for seq in out.resumed)
+        # the token budget and the chunk cap
+        if self.budget is not None:
+            assert out.num_prefill_tokens + out.num_decode_tokens <= self.budget
+        for seq, chunk in zip(out.prefill_seqs, out.prefills, strict=True):
+            assert 0 < len(chunk.token_ids) <= (self.chunk_cap or len(chunk.token_ids))
+            assert chunk.slot == seq.slot and chunk.start == seq.num_computed_tokens
+            assert chunk.token_ids == seq.tokens[chunk.start : chunk.start + len(chunk.token_ids)]
+            assert chunk.sample == (chunk.start + len(chunk.token_ids) == len(seq.tokens))
+        assert out.num_prefill_tokens == sum(len(c.token_ids) for c in out.prefills)
+        if self.policy is BatchingPolicy.STATIC and (out.admitted or out.resumed):
+            assert running_before == 0 or running_before == len(out.preempted)
+        if self.policy is BatchingPolicy.CONTINUOUS and not self._limited(out):
             # no slot sits empty while a request waits
-            assert len(batch) == min(self.num_slots, running_before + waiting_before)
-        elif plan.admitted:
-            assert running_before == 0 and batch == plan.admitted
-        else:
-            assert len(batch) == running_before
-        return plan
+            expected = min(self.num_slots, running_before + waiting_before)
+            assert scheduler.slots.occupied == expected
+        return out
 
-    def _complete(self, plan: StepPlan, tokens: list[int]) -> None:
+    def _limited(self, out: SchedulerOutput) -> bool:
+        """Whether the budget or the KV cache may have kept a waiting request out."""
+        spent = out.num_prefill_tokens + out.num_decode_tokens
+        return (
+            self.budget is not None and spent >= self.budget
+        ) or self.core.config.kv_cache_tokens is not None
+
+    def _update(self, out: SchedulerOutput, result: ModelOutput) -> None:
         steps = len(self.observer.steps)
-        self.core.complete(plan, tokens)
+        self.core.update(out, result)
         assert len(self.observer.steps) == steps + 1
+        self.kv_books_hold()
 
     def _read(self, tracked: Tracked) -> None:
         delta = poll(tracked.stream)

@@ -372,16 +372,32 @@ def test_a_preempted_request_can_be_aborted_while_it_waits() -> None:
 
 
 def test_a_request_preempted_during_a_model_call_is_never_run_after_it_finished() -> None:
+    """Regression: a request preempted between schedule() and update() got that call's token;
+    when the token ended it, it was FINISHED but left in the queue, and the next schedule()
+    resumed it."""
     a = seq("a", max_tokens=2, prompt=[1, 2, 3])
     scheduler = scheduler_with(a, num_slots=1)
     step(scheduler)
     out = scheduler.schedule(0.0)  # a decodes its last allowed token in this call
     scheduler.preempt(a, 0.0)
-    answer(scheduler, out, token=6)
-    following = scheduler.schedule(0.0)
-    assert all(not s.finished for s in following.scheduled())
-    assert a.finished == (a.status is RequestStatus.FINISHED)
-    assert not (a.finished and scheduler.has_work())
+    outcome = answer(scheduler, out, token=6)
+    assert outcome.finished == [] and outcome.num_generated == 0  # the token is dropped
+    assert a.generated == [5] and status(a) is RequestStatus.PREEMPTED and not a.finished
+    following = scheduler.schedule(0.0)  # a resumes and samples that token again
+    assert following.resumed == [a] and chunks(following) == [("a", 0, 4, True)]
+    answer(scheduler, following, token=6)
+    assert a.generated == [5, 6] and a.finish_reason is FinishReason.LENGTH
+    assert not scheduler.has_work()
+
+
+def test_a_prefilling_request_preempted_during_a_model_call_restarts_its_prefill() -> None:
+    a = seq("a", prompt=list(range(1, 9)))
+    scheduler = configured(SchedulerConfig(1, max_num_batched_tokens=3), a)
+    out = scheduler.schedule(0.0)
+    scheduler.preempt(a, 0.0)
+    answer(scheduler, out)
+    assert a.num_computed_tokens == 0 and a.prefilled == 0
+    assert chunks(scheduler.schedule(0.0)) == [("a", 0, 3, False)]
 
 
 # --- the KV books -----------------------------------------------------------------------------
@@ -442,18 +458,24 @@ def test_released_blocks_let_a_waiting_request_in() -> None:
 
 
 def test_prefilling_requests_that_fill_the_kv_cache_between_them_make_progress() -> None:
+    """Regression: two partly prefilled requests that filled the KV cache between them
+    deadlocked (neither had room for its next chunk and nothing decoded, so schedule()
+    returned an empty output forever). Now the most recently admitted one is preempted."""
     a, b = seq("a", max_tokens=3, prompt=[1] * 6), seq("b", max_tokens=3, prompt=[1] * 6)
     config = SchedulerConfig(
         2, max_num_batched_tokens=4, max_prefill_chunk=2, block_size=2, kv_cache_tokens=8
     )  # either request fits the cache alone (6 + 3 - 1 tokens: 4 blocks)
     scheduler = configured(config, a, b)
+    preempted: list[Sequence] = []
     for _ in range(30):
         if not scheduler.has_work():
             break
         out = scheduler.schedule(0.0)
         assert not out.empty, "no progress although requests are running"
+        preempted += out.preempted
         answer(scheduler, out)
     assert a.generated == b.generated == [5, 5, 5]
+    assert preempted and set(ids(preempted)) == {"b"}  # the younger one gave way
 
 
 # --- aborts -----------------------------------------------------------------------------------

@@ -100,13 +100,13 @@ class CachedRunner:
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         for slot in [*out.released, *self._dirty]:
             self._release(slot)
-        prefills = out.prefills
-        if self._dirty:
-            prefills = [c for c in prefills if not (c.fresh and c.slot in self._dirty)]
-        for chunk in prefills:
+        for chunk in out.prefills:
             if chunk.fresh:
                 self._release(chunk.slot)  # only if it still holds a cache (a missed release)
-                self._assigned.add(chunk.slot)
+        prefills = out.prefills
+        if self._dirty:  # never run a fresh chunk on a cache that could not be reset
+            prefills = [c for c in prefills if not (c.fresh and c.slot in self._dirty)]
+        self._assigned.update(chunk.slot for chunk in prefills if chunk.fresh)
         slots, sampling, ids = self._columns_for(out.decode_seqs)
         batch = StepBatch(slots, out.decode_tokens, sampling, ids, prefills)
         tokens = checked_tokens(self.model.step(batch), batch.num_outputs)

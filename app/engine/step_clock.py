@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 JITTER_CAP = 0.3  # a jittered step stays within +-30% of its mean, like llm-d-inference-sim
-TIMER_SLACK = 0.0015  # seconds: the event loop's timers wake up to 1 ms late (epoll's ms ticks)
+TIMER_SLACK = 0.001  # seconds: the event loop's timers wake up to 1 ms late (epoll's ms ticks)
 
 
 @dataclass(frozen=True, slots=True)
