@@ -72,6 +72,24 @@ def log(line: str) -> None:
     print(line, flush=True)
 
 
+class Clock:
+    """Wall time and this process's CPU time (all threads) since creation. On a shared machine
+    tokens per CPU-second compare contenders more fairly than tokens per wall second."""
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def rates(self, tokens: int) -> tuple[float, float]:
+        """(tokens per wall second, tokens per CPU second)."""
+        wall, cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
+        return tokens / wall, tokens / cpu
+
+
+def record(figures: dict[str, float], name: str, rates: tuple[float, float], label: str) -> None:
+    figures[name], figures[name + "_per_cpu_s"] = rates
+    log(f"{label}: {rates[0]:.1f} tokens/s ({rates[1]:.1f} per CPU-second)")
+
+
 # ---- transformers ---------------------------------------------------------------------------
 
 
@@ -91,37 +109,37 @@ def hf_figures(folder: Path, texts: list[str], new: int, drawn: list[int]) -> di
     out: dict[str, float] = {}
     with torch.no_grad():
         ids = tok(templated[0], return_tensors="pt")["input_ids"]
-        started = time.perf_counter()
+        clock = Clock()
         model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
-        out["hf_batch1"] = new / (time.perf_counter() - started)
-        log(f"transformers batch-1 generate: {out['hf_batch1']:.1f} tokens/s")
+        record(out, "hf_batch1", clock.rates(new), "transformers batch-1 generate")
         tok.padding_side = "left"
         for batch in (8, 32):
-            out[f"hf_static{batch}"] = _static(model, tok, templated, [new] * len(texts), batch)
-            log(f"transformers static batches of {batch}: {out[f'hf_static{batch}']:.1f} tokens/s")
+            rates = _static(model, tok, templated, [new] * len(texts), batch)
+            record(out, f"hf_static{batch}", rates, f"transformers static batches of {batch}")
         config = untyped.GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                  eos_token_id=-1, pad_token_id=0)  # fmt: skip
+                                          eos_token_id=-1, pad_token_id=0)  # fmt: skip
         prompts = [tok(t)["input_ids"] for t in templated]
-        started = time.perf_counter()
+        clock = Clock()
         result = model.generate_batch(inputs=prompts, generation_config=config)
         total = sum(len(r.generated_tokens) for r in result.values())
-        out["hf_generate_batch"] = total / (time.perf_counter() - started)
-        log(f"transformers generate_batch: {out['hf_generate_batch']:.1f} tokens/s")
+        record(out, "hf_generate_batch", clock.rates(total), "transformers generate_batch")
         if drawn:
             many = [templated[i % len(templated)] for i in range(len(drawn))]
-            out["hf_static32_drawn"] = _static(model, tok, many, drawn, 32)
-            log(f"transformers static 32, drawn lengths: {out['hf_static32_drawn']:.1f} tokens/s")
+            rates = _static(model, tok, many, drawn, 32)
+            record(out, "hf_static32_drawn", rates, "transformers static 32, drawn lengths")
     return out
 
 
-def _static(model: Any, tok: Any, texts: list[str], lengths: list[int], batch: int) -> float:
+def _static(
+    model: Any, tok: Any, texts: list[str], lengths: list[int], batch: int
+) -> tuple[float, float]:
     """Useful tokens/s of static batches: each batch runs to its longest request."""
-    started = time.perf_counter()
+    clock = Clock()
     for i in range(0, len(texts), batch):
         enc = tok(texts[i : i + batch], return_tensors="pt", padding=True)
         longest = max(lengths[i : i + batch])
         model.generate(**enc, max_new_tokens=longest, min_new_tokens=longest, do_sample=False)
-    return sum(lengths) / (time.perf_counter() - started)
+    return clock.rates(sum(lengths))
 
 
 # ---- slotserve in-process --------------------------------------------------------------------
@@ -136,32 +154,37 @@ def step_times(loaded: LoadedModel, prompt: list[int]) -> dict[str, float]:
         chunks = [PrefillChunk(s, prompt, 0, True, GREEDY, f"r{s}") for s in range(batch)]
         tokens = model.step(StepBatch([], [], [], [], chunks))
         slots, ids = list(range(batch)), [f"r{s}" for s in range(batch)]
-        samples = []
+        samples, cpus = [], []
         for _ in range(12):
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             tokens = model.step(StepBatch(slots, tokens, [GREEDY] * batch, ids, []))
             samples.append(time.perf_counter() - started)
+            cpus.append(time.process_time() - cpu)
         out[f"step_ms_{batch}"] = 1000 * statistics.median(samples[2:])
+        out[f"step_cpu_ms_{batch}"] = 1000 * statistics.median(cpus[2:])
         log(f"slotserve decode step at batch {batch}: {out[f'step_ms_{batch}']:.1f} ms "
-            f"({batch / statistics.median(samples[2:]):.1f} tokens/s)")  # fmt: skip
+            f"({batch / statistics.median(samples[2:]):.1f} tokens/s), "
+            f"{out[f'step_cpu_ms_{batch}']:.1f} CPU-ms")  # fmt: skip
     return out
 
 
-async def engine_run(settings: Settings, prompts: list[list[int]], lengths: list[int]) -> float:
+async def engine_run(
+    settings: Settings, prompts: list[list[int]], lengths: list[int]
+) -> tuple[float, float]:
     """Tokens/s of the engine serving ``prompts`` (all at once) with the given lengths."""
     serving = Serving(settings)
     await serving.start()
     await serving.wait_loaded()
-    started = time.perf_counter()
+    clock = Clock()
     streams = [
         serving.submit(GenerationParams(prompt=p, max_tokens=n, ignore_eos=True, sampling=GREEDY))
         for p, n in zip(prompts, lengths, strict=True)
     ]
     results = [await s.collect() for s in streams]
-    elapsed = time.perf_counter() - started
+    rates = clock.rates(sum(lengths))
     await serving.stop()
     assert [len(tokens) for tokens, _, _ in results] == lengths
-    return sum(lengths) / elapsed
+    return rates
 
 
 # ---- slotserve over HTTP ---------------------------------------------------------------------
@@ -178,7 +201,8 @@ def http_run(cache_dir: Path, texts: list[str], new: int) -> dict[str, float]:
     finally:
         process.terminate()
         process.wait(timeout=30)
-    log(f"slotserve over HTTP, {len(texts)} streams: {out['http_tokens_per_s']:.1f} tokens/s; "
+    log(f"slotserve over HTTP, {len(texts)} streams: {out['http_tokens_per_s']:.1f} tokens/s "
+        f"({out['http_per_cpu_s']:.1f} per server CPU-second); "
         f"server RSS {out['rss_idle_mib']:.0f} MiB idle, {out['rss_mib']:.0f} MiB after")  # fmt: skip
     return out
 
@@ -189,11 +213,22 @@ async def _http_measure(
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         await _wait_ok(client, process)
         rss_idle = _rss_mib(process.pid)
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), _cpu_seconds(process.pid)
         counts = await asyncio.gather(*(_stream(client, t, new) for t in texts))
-        elapsed = time.perf_counter() - started
+        elapsed, cpu = time.perf_counter() - started, _cpu_seconds(process.pid) - cpu
         rss = _rss_mib(process.pid)
-    return {"http_tokens_per_s": sum(counts) / elapsed, "rss_idle_mib": rss_idle, "rss_mib": rss}
+    return {
+        "http_tokens_per_s": sum(counts) / elapsed,
+        "http_per_cpu_s": sum(counts) / cpu,
+        "rss_idle_mib": rss_idle,
+        "rss_mib": rss,
+    }
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _wait_ok(client: httpx.AsyncClient, process: subprocess.Popen[bytes]) -> None:
@@ -258,16 +293,15 @@ def main() -> None:
         f"{args.new} new tokens each")  # fmt: skip
     figures |= step_times(loaded, prompts[0])
     del loaded
-    tps = asyncio.run(engine_run(settings, prompts, [args.new] * len(prompts)))
-    figures["engine_tokens_per_s"] = tps
-    log(f"slotserve engine, 32 slots, in-process: {tps:.1f} tokens/s")
+    rates = asyncio.run(engine_run(settings, prompts, [args.new] * len(prompts)))
+    record(figures, "engine", rates, "slotserve engine, 32 slots, in-process")
     if drawn:
         many = [prompts[i % len(prompts)] for i in range(len(drawn))]
-        figures["engine_drawn_tokens_per_s"] = asyncio.run(engine_run(settings, many, drawn))
         figures["limit_ratio"] = limit_ratio(drawn, 32)
         log(f"drawn lengths: {len(drawn)} requests, mean {statistics.mean(drawn):.1f}, "
-            f"limit ratio {figures['limit_ratio']:.2f}; slotserve engine "
-            f"{figures['engine_drawn_tokens_per_s']:.1f} tokens/s")  # fmt: skip
+            f"limit ratio {figures['limit_ratio']:.2f}")  # fmt: skip
+        rates = asyncio.run(engine_run(settings, many, drawn))
+        record(figures, "engine_drawn", rates, "slotserve engine, drawn lengths")
     if not args.skip_hf:
         figures |= hf_figures(folder, texts, args.new, drawn)
     if args.http:
