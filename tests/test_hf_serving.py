@@ -58,11 +58,16 @@ def loading_server(*flags: str) -> Iterator[tuple[ServerProcess, list[str]]]:
 
 
 def test_health_says_loading_until_the_model_is_ready_then_it_serves(tiny: Path) -> None:
-    with loading_server("--model", f"hf:{tiny}", "--num-slots", "3") as (server, seen):
+    # 512 bytes of KV cache per token (2 layers x K and V x 2 heads x 16 x 4 bytes): 96 KiB
+    # hold 192 tokens, 64 positions for each of 3 slots.
+    flags = ["--model", f"hf:{tiny}", "--num-slots", "3", "--kv-cache-memory", "96KiB"]
+    with loading_server(*flags) as (server, seen):
         assert seen == ["loading", "ok"]
         models = httpx.get(server.url + "/v1/models").json()["data"]
-        # 2 GiB of KV cache caps nothing here: the checkpoint's 512 positions do.
-        assert [(m["id"], m["max_model_len"]) for m in models] == [(tiny.name, 512)]
+        assert [(m["id"], m["max_model_len"]) for m in models] == [(tiny.name, 64)]
+        long = {"prompt": [5] * 60, "max_tokens": 5, "stream": False}
+        refused = httpx.post(server.url + "/generate", json=long, timeout=60)
+        assert refused.json()["error"]["code"] == "context_length_exceeded"
         body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5}
         reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
         assert reply["usage"]["completion_tokens"] <= 5
