@@ -54,8 +54,8 @@ def save_tiny_model(
     folder: Path, *, family: str = "llama", vocab_size: int = 320, seed: int = 0
 ) -> Path:
     """A random 2-layer model (4 query heads, 2 KV heads, head dim 16) saved in float64 with a
-    generation config whose eos ids are 2 and 4. ``family``: llama (tied embeddings) or qwen2
-    (q/k/v biases, separate output embeddings)."""
+    generation config whose eos ids are 2 and 4. ``family``: llama (tied embeddings), mistral
+    or qwen2 (q/k/v biases, separate output embeddings)."""
     hf = _transformers()
     shape: dict[str, Any] = dict(
         vocab_size=vocab_size,
@@ -76,6 +76,9 @@ def save_tiny_model(
         rope = {"rope_theta": 500.0, "rope_type": "default"}
         config = hf.LlamaConfig(**shape, tie_word_embeddings=True, rope_parameters=rope)
         model = hf.LlamaForCausalLM(config)
+    elif family == "mistral":  # a sliding window wider than the context: full attention
+        config = hf.MistralConfig(**shape, tie_word_embeddings=False, sliding_window=1024)
+        model = hf.MistralForCausalLM(config)
     else:
         config = hf.Qwen2Config(**shape, tie_word_embeddings=False)
         model = hf.Qwen2ForCausalLM(config)

@@ -19,7 +19,7 @@ from app.models.protocol import GREEDY, PrefillChunk, SamplingParams, StepBatch
 VOCAB = 320
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp(request.param)
     save_tokenizer(folder)
