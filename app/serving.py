@@ -63,7 +63,6 @@ class GenerationParams:
 
 
 REJECTION_REASONS: dict[type[EngineError], str] = {
-    ModelLoadingError: "loading",
     QueueFullError: "queue_full",
     DuplicateRequestError: "duplicate_id",
     EngineDrainingError: "draining",
