@@ -22,7 +22,6 @@ FAILURE_TYPES = (
 
 
 BUILT_IN_MODELS = ("mock", "cached-mock", "smollm2")
-MOCK_MODELS = ("mock", "cached-mock")
 
 
 class Settings(BaseSettings):

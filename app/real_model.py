@@ -21,8 +21,9 @@ def wants_real_model(settings: Settings) -> bool:
 
 
 def named(settings: Settings) -> Settings:
-    """``settings`` with ``model_name`` set to the real model's name unless the user chose one."""
-    if "model_name" in settings.model_fields_set:
+    """``settings`` with ``model_name`` set to the real model's name unless the user chose one
+    (a mock's settings are returned as they are)."""
+    if "model_name" in settings.model_fields_set or not wants_real_model(settings):
         return settings
     return settings.model_copy(update={"model_name": served_name(settings.model)})
 
