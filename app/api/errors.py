@@ -22,7 +22,7 @@ from app.engine.errors import (
     EngineError,
     QueueFullError,
 )
-from app.serving import InvalidRequestError, context_length_error
+from app.serving import InvalidRequestError, ModelLoadingError, context_length_error
 
 log = logging.getLogger("slotserve.api")
 
@@ -179,6 +179,8 @@ def refusal(err: EngineError) -> APIError:
         return APIError(429, str(err), "overloaded_error", code="queue_full", headers=retry)
     if isinstance(err, DuplicateRequestError):
         return APIError(409, str(err), param="request_id", code="duplicate_request_id")
+    if isinstance(err, ModelLoadingError):
+        return APIError(503, str(err), "service_unavailable", code="loading", headers=retry)
     code = "draining" if isinstance(err, EngineDrainingError) else "engine_dead"
     return APIError(503, str(err), "service_unavailable", code=code, headers=retry)
 

@@ -1,0 +1,140 @@
+"""Our forward pass for Llama-family decoders (Llama, Mistral, Qwen2): pre-norm blocks of
+grouped-query attention with rotary positions and a SwiGLU MLP, RMSNorm computed in at least
+float32, optional q/k/v (and output) biases, tied or separate output embeddings.
+
+The checkpoint's tensors are taken as they are stored (Hugging Face names); q/k/v and gate/up
+projections are fused into one matrix each so a layer runs three matrix products for its MLP and
+attention inputs instead of five.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from app.models.hf.attention import StepLayout, attend
+from app.models.hf.config import ArchConfig
+from app.models.hf.errors import ModelLoadError
+from app.models.hf.kv_cache import KVCache
+from app.models.hf.rope import Rope
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    out: torch.Tensor
+    out_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Weights:
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+
+
+def build_weights(
+    state: dict[str, torch.Tensor], arch: ArchConfig, dtype: torch.dtype, device: torch.device
+) -> Weights:
+    """Our weight layout from a checkpoint's state dict (Hugging Face names). Raises
+    ``ModelLoadError`` naming the first missing tensor."""
+
+    def take(name: str) -> torch.Tensor:
+        if name not in state:
+            raise ModelLoadError(f"checkpoint has no tensor {name!r}")
+        return state.pop(name).to(device=device, dtype=dtype)
+
+    def maybe(name: str) -> torch.Tensor | None:
+        return take(name) if name in state else None
+
+    layers = []
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        q, k, v = (take(f"{p}self_attn.{n}_proj.weight") for n in "qkv")
+        biases = [maybe(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]
+        qkv_bias = None
+        if any(b is not None for b in biases):
+            qkv_bias = torch.cat([_or_zeros(b, w) for b, w in zip(biases, (q, k, v), strict=True)])
+        gate, up = take(f"{p}mlp.gate_proj.weight"), take(f"{p}mlp.up_proj.weight")
+        layers.append(
+            LayerWeights(
+                input_norm=take(f"{p}input_layernorm.weight"),
+                qkv=torch.cat((q, k, v)),
+                qkv_bias=qkv_bias,
+                out=take(f"{p}self_attn.o_proj.weight"),
+                out_bias=maybe(f"{p}self_attn.o_proj.bias"),
+                post_norm=take(f"{p}post_attention_layernorm.weight"),
+                gate_up=torch.cat((gate, up)),
+                down=take(f"{p}mlp.down_proj.weight"),
+            )
+        )
+    embed = take("model.embed_tokens.weight")
+    head = maybe("lm_head.weight")
+    if head is None and not arch.tie_word_embeddings:
+        raise ModelLoadError("checkpoint has no tensor 'lm_head.weight'")
+    return Weights(embed, layers, take("model.norm.weight"), embed if head is None else head)
+
+
+def _or_zeros(bias: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+    return bias if bias is not None else weight.new_zeros(weight.shape[0])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 (or wider), the result cast back and then scaled."""
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+class LlamaForward:
+    """Runs the decoder over one step's packed tokens, writing their keys and values into the
+    cache, and returns the logits (float32) of the rows asked for."""
+
+    def __init__(self, arch: ArchConfig, weights: Weights, rope: Rope, cache: KVCache) -> None:
+        self.arch = arch
+        self.weights = weights
+        self.rope = rope
+        self.cache = cache
+        self._q = arch.num_heads * arch.head_dim
+        self._kv = arch.num_kv_heads * arch.head_dim
+
+    def __call__(
+        self, tokens: torch.Tensor, layout: StepLayout, logit_rows: torch.Tensor
+    ) -> torch.Tensor:
+        w = self.weights
+        cos, sin = self.rope.tables(layout.positions)
+        hidden = w.embed[tokens]
+        for index, layer in enumerate(w.layers):
+            hidden = self._block(index, layer, hidden, layout, cos, sin)
+        last = rms_norm(hidden[logit_rows], w.norm, self.arch.rms_norm_eps)
+        return F.linear(last, w.lm_head).float()
+
+    def _block(
+        self,
+        index: int,
+        layer: LayerWeights,
+        hidden: torch.Tensor,
+        layout: StepLayout,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        arch = self.arch
+        x = rms_norm(hidden, layer.input_norm, arch.rms_norm_eps)
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        q, k, v = torch.split(qkv, [self._q, self._kv, self._kv], dim=-1)
+        q = Rope.apply(q.view(-1, arch.num_heads, arch.head_dim), cos, sin)
+        k = Rope.apply(k.view(-1, arch.num_kv_heads, arch.head_dim), cos, sin)
+        self.cache.write(index, layout.slots, layout.positions, k, v.view_as(k))
+        attended = attend(self.cache, index, q, layout)
+        hidden = hidden + F.linear(attended, layer.out, layer.out_bias)
+        x = rms_norm(hidden, layer.post_norm, arch.rms_norm_eps)
+        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+        return hidden + F.linear(F.silu(gate) * up, layer.down)

@@ -1,0 +1,89 @@
+"""A checkpoint's Hugging Face tokenizer behind the server's ``Tokenizer`` protocol."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+REPLACEMENT = "\ufffd"
+
+
+class HFTokenizer:
+    """Wraps a transformers tokenizer loaded from a local folder. ``encode`` adds the
+    checkpoint's special tokens (a BOS where it uses one); ``decode`` skips special tokens."""
+
+    def __init__(
+        self, tokenizer: Any, *, vocab_size: int, stop_token_ids: frozenset[int], eos_token_id: int
+    ) -> None:
+        self._tok = tokenizer
+        self._vocab_size = vocab_size
+        self._stop = stop_token_ids | {eos_token_id}
+        self._eos = eos_token_id
+
+    @property
+    def eos_token_id(self) -> int:
+        return self._eos
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        return self._stop
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(
+            self._tok.decode(
+                list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
+            )
+        )
+
+    def stream_decoder(self) -> HFStreamDecoder:
+        return HFStreamDecoder(self)
+
+    def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        """The checkpoint's chat template with the assistant's turn opened; a checkpoint without
+        one gets ``role: content`` lines and an ``assistant: `` cue."""
+        chat = [{"role": role, "content": content} for role, content in messages]
+        if getattr(self._tok, "chat_template", None):
+            text = self._tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            return list(self._tok.encode(str(text), add_special_tokens=False))
+        lines = [f"{role}: {content}" for role, content in messages]
+        return self.encode("\n".join([*lines, "assistant: "]))
+
+
+class HFStreamDecoder:
+    """Incremental detokenization with a prefix and a read offset (as vLLM's detokenizer does):
+    each ``feed`` decodes a short window of recent tokens with and without the new ones and
+    returns the difference, holding it back while it ends in an incomplete character
+    (U+FFFD), so streamed pieces never cut a multi-byte character and concatenate to ``decode``
+    of all tokens once ``flush`` has run."""
+
+    def __init__(self, tokenizer: HFTokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the window decoded for context
+        self._read = 0  # end of the tokens already returned as text
+
+    def feed(self, ids: Sequence[int]) -> str:
+        self._ids.extend(ids)
+        delta = self._delta()
+        if not delta or delta.endswith(REPLACEMENT):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return delta
+
+    def flush(self) -> str:
+        delta = self._delta()
+        self._prefix = self._read = len(self._ids)
+        return delta
+
+    def _delta(self) -> str:
+        decode = self._tokenizer.decode
+        before = decode(self._ids[self._prefix : self._read])
+        after = decode(self._ids[self._prefix :])
+        return after[len(before) :]
