@@ -86,6 +86,12 @@ class Settings(BaseSettings):
     fair_output_weight: float = Field(
         2.0, ge=0, description="fair: counter increment per output token served"
     )
+    fair_preemption_margin: float = Field(
+        32.0,
+        ge=0,
+        description="fair: how far a running user's counter must lead a waiting user's "
+        "before it is preempted (32 = 16 output tokens at weight 2)",
+    )
     fair_preemption: bool = Field(
         True, description="fair: preempt the heaviest user's request for a lighter user's"
     )

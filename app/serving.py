@@ -111,6 +111,7 @@ def policy_config(settings: Settings) -> PolicyConfig:
         fair_prompt_weight=settings.fair_prompt_weight,
         fair_output_weight=settings.fair_output_weight,
         fair_preemption=settings.fair_preemption,
+        fair_preemption_margin=settings.fair_preemption_margin,
     )
 
 

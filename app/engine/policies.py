@@ -52,6 +52,7 @@ class PolicyConfig:
     fair_prompt_weight: float = 1.0
     fair_output_weight: float = 2.0
     fair_preemption: bool = True
+    fair_preemption_margin: float = 32.0  # counter units a victim's user must lead by
 
     def __post_init__(self) -> None:
         if self.preemption_delay < 0:
@@ -109,6 +110,11 @@ class Policy:
         """The running request to preempt so ``waiting`` (``select``'s choice) gets its slot."""
         return None
 
+    def kv_victim(self, running: list[Sequence]) -> Sequence:
+        """The running request to preempt when the KV cache cannot hold every decode: the
+        most recently admitted (as vLLM's fcfs does)."""
+        return max(running, key=_ADMISSION)
+
     def on_queued(self, seq: Sequence, now: float, new: bool) -> None:
         """``seq`` entered the queue: as a new arrival, or back from a slot."""
         seq.queued_at = now
@@ -149,6 +155,11 @@ class PriorityPolicy(Policy):
         if worst is not None and worst.priority - waiting.priority >= threshold:
             return worst
         return None
+
+    def kv_victim(self, running: list[Sequence]) -> Sequence:
+        """The worst priority gives its blocks up first (the most recent among equals), as
+        vLLM's priority scheduler does."""
+        return max(running, key=lambda seq: (seq.priority, seq.admission))
 
 
 class MLFQPolicy(Policy):
@@ -246,7 +257,9 @@ class FairPolicy(Policy):
     conserving: a free slot always takes a waiting request. Beyond the paper (whose VTC only
     orders admissions), when every slot is busy the most recently admitted request of the
     running user with the largest counter is preempted for a waiting request whose user's
-    counter is smaller (``fair_preemption``), so a light user does not wait for a slot to free.
+    counter is smaller by more than ``fair_preemption_margin`` (``fair_preemption``), so a light
+    user does not wait for a slot to free, and two users' counters cannot leapfrog each other
+    with a preemption every token.
     The user is ``Sequence.user`` (None counts as one anonymous user).
     """
 
@@ -266,7 +279,10 @@ class FairPolicy(Policy):
         if not self.config.fair_preemption:
             return None
         counters, worst = self.counters, None
-        worst_key: tuple[float, int] = (counters[waiting.user], 1 << 62)
+        # The victim's user must lead by a margin: without it two users' counters leapfrog
+        # every token or two, and every leap recomputes a whole context.
+        lead = counters[waiting.user] + self.config.fair_preemption_margin
+        worst_key: tuple[float, int] = (lead, 1 << 62)
         for seq in running:
             key = (counters.get(seq.user, 0.0), seq.admission)
             if seq.user != waiting.user and key > worst_key and self.preemptible(seq):
@@ -308,6 +324,7 @@ class FairPolicy(Policy):
 
 
 _PRIORITY: SortKey = attrgetter("priority")
+_ADMISSION: SortKey = attrgetter("admission")
 _LEVEL: SortKey = attrgetter("level")
 
 

@@ -35,7 +35,14 @@ from app.engine.types import FinishReason, RequestStatus, Sequence
 from app.engine.waiting import WaitingQueue
 from app.models.protocol import PrefillChunk
 
-UNBOUNDED = 1 << 62  # a token budget or KV capacity that never binds
+UNBOUNDED = 1 << 62
+
+
+def _admission(seq: Sequence) -> int:
+    return seq.admission
+
+
+# a token budget or KV capacity that never binds
 
 
 class BatchingPolicy(StrEnum):
@@ -115,6 +122,7 @@ class Scheduler:
         self._preempted: list[Sequence] = []
         self._free_blocks = UNBOUNDED  # while planning a step: blocks not yet handed out
         self._admissions = 0
+        self._unstarted: set[str] = set()  # admitted, no chunk scheduled on the fresh slot yet
         self.scheduling: Policy | None = make_policy(config.scheduling)
 
     @property
@@ -273,7 +281,10 @@ class Scheduler:
             if needed <= free or not decoding:
                 self._free_blocks = free - needed
                 return decoding
-            self.preempt(max(self.slots.running(), key=lambda s: s.admission), now)
+            running = self.slots.running()
+            policy = self.scheduling
+            victim = max(running, key=_admission) if policy is None else policy.kv_victim(running)
+            self.preempt(victim, now)
             decoding = self._decoding_now()
 
     def _preempt_for_waiting(self, policy: Policy, now: float) -> None:
@@ -286,7 +297,9 @@ class Scheduler:
         if now - candidate.queued_at < policy.config.preemption_delay:
             return  # it may still get a slot that frees on its own
         victim = policy.victim(candidate, self.slots.running(), now)
-        if victim is not None:
+        # a victim one overtake from the bound would be served first again at once: a
+        # preempt-and-readmit loop that would also leave the candidate waiting
+        if victim is not None and victim.overtaken + 1 < policy.max_overtakes:
             policy.overtake(victim)
             self.preempt(victim, now)
 
@@ -298,9 +311,10 @@ class Scheduler:
         # nothing was handed out in this step yet: the free blocks are the books' own
         self._free_blocks = self.books.total - self.books.used(self.slots.running())
 
-    def _chunk(self, out: SchedulerOutput, seq: Sequence, budget: int, first: bool = False) -> int:
+    def _chunk(self, out: SchedulerOutput, seq: Sequence, budget: int) -> int:
         """Schedule the next prefill chunk of ``seq`` within ``budget``; returns its length.
-        ``first``: its first chunk on a fresh slot (after a cached prefix, if any)."""
+        The first chunk on its fresh slot (in the step that admits it, or later when static
+        batching admitted it with no budget left) carries its cached prefix, if any."""
         start, books = seq.prefilled, self.books
         room = books.room(start, self._free_blocks)
         size = min(seq.prefill_target - start, self._chunk_cap, budget, room)
@@ -309,6 +323,9 @@ class Scheduler:
         self._free_blocks -= books.blocks_for(start + size) - books.blocks_for(start)
         sample = start + size == seq.prefill_target
         assert seq.slot is not None
+        first = seq.request_id in self._unstarted
+        if first:
+            self._unstarted.discard(seq.request_id)
         prefix = seq.tokens[:start] if first and start else ()
         chunk = PrefillChunk(seq.slot, seq.tokens[start : start + size], start, sample,
                              seq.sampling, seq.request_id, prefix)  # fmt: skip
@@ -341,8 +358,9 @@ class Scheduler:
                 self.prefix_cache.acquire(seq, hits)
                 self._free_blocks -= cost
                 seq.prefilled = len(hits) * self.books.block_size
-                out.prefix_queries += seq.prefill_target
-                out.prefix_hits += seq.prefilled
+                if seq.times.admitted is None:  # a resume's re-lookup is not a query (vLLM)
+                    out.prefix_queries += seq.prompt_len
+                    out.prefix_hits += seq.prefilled
             self._admissions += 1
             seq.admission = self._admissions
             if seq.times.admitted is None:  # its first admission (not a resume)
@@ -351,7 +369,8 @@ class Scheduler:
             else:
                 out.resumed.append(seq)
             self._prefilling.append(seq)
-            budget -= self._chunk(out, seq, budget, first=True)
+            self._unstarted.add(seq.request_id)
+            budget -= self._chunk(out, seq, budget)
         return budget
 
     def _take(self, policy: Policy, seq: Sequence, now: float) -> None:
@@ -479,6 +498,7 @@ class Scheduler:
             self._prefilling.remove(seq)
         else:
             self._decoding = None
+        self._unstarted.discard(seq.request_id)
         self._released.append(self.slots.release(seq))
         seq.prefilled = 0
         if self.prefix_cache is not None:
