@@ -41,6 +41,13 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(None, description="require 'Authorization: Bearer <key>'")
     shutdown_grace: float = Field(10.0, ge=0, description="seconds in-flight streams may finish")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="request body limit; past it: 413")
+    max_header_bytes: int = Field(
+        32 * 1024, ge=1024, le=1 << 20, description="request line + headers limit; past it: 431"
+    )
+    header_timeout: float = Field(10.0, gt=0, description="seconds to send the headers; then 408")
+    max_connections: int = Field(
+        0, ge=0, description="open connections past which requests get 503 (0: file limit - 128)"
+    )
     send_timeout: float = Field(30.0, gt=0, description="seconds a slow reader may stall a send")
     sse_ping_seconds: float = Field(15.0, gt=0, description="SSE keep-alive comment interval")
     log_level: str = Field("info", description="uvicorn and slotserve log level")

@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -43,9 +43,13 @@ class ServerProcess:
 
 @contextmanager
 def running_server(
-    *flags: str, env: dict[str, str] | None = None, stderr: Any = None
+    *flags: str,
+    env: dict[str, str] | None = None,
+    stderr: Any = None,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> Iterator[ServerProcess]:
-    """Start a server with ``flags`` on a free port; wait until /health is 200; kill it after."""
+    """Start a server with ``flags`` on a free port; wait until /health is 200; kill it after.
+    ``preexec_fn`` runs in the child before it starts (e.g. to lower its file limit)."""
     port = free_port()
     command = [
         sys.executable,
@@ -59,7 +63,11 @@ def running_server(
         *flags,
     ]
     process = subprocess.Popen(
-        command, env={**os.environ, **(env or {})}, stdout=stderr, stderr=stderr
+        command,
+        env={**os.environ, **(env or {})},
+        stdout=stderr,
+        stderr=stderr,
+        preexec_fn=preexec_fn,
     )
     server = ServerProcess(process, port)
     try:
