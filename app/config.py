@@ -6,14 +6,21 @@ variable (``SLOTSERVE_NUM_SLOTS``); a flag wins over the environment, which wins
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from app.keys import ApiKeys
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SLOTSERVE_", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="SLOTSERVE_",
+        extra="ignore",
+        hide_input_in_errors=True,  # keys never shown
+    )
 
     host: str = Field("127.0.0.1", description="address to bind (0.0.0.0 in containers)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port")
@@ -38,7 +45,12 @@ class Settings(BaseSettings):
     seed: int = Field(
         0, description="mock model seed (a request's seed field is accepted, not used)"
     )
-    api_key: SecretStr | None = Field(None, description="require 'Authorization: Bearer <key>'")
+    api_key: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list,
+        description="require 'Authorization: Bearer <key>': NAME:KEY or KEY (named default); "
+        "repeatable; the variable takes a comma-separated list",
+    )
+    api_keys_file: Path | None = Field(None, description="file of NAME:KEY lines (# comments)")
     shutdown_grace: float = Field(10.0, ge=0, description="seconds in-flight streams may finish")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="request body limit; past it: 413")
     max_header_bytes: int = Field(
@@ -51,3 +63,30 @@ class Settings(BaseSettings):
     send_timeout: float = Field(30.0, gt=0, description="seconds a slow reader may stall a send")
     sse_ping_seconds: float = Field(15.0, gt=0, description="SSE keep-alive comment interval")
     log_level: str = Field("info", description="uvicorn and slotserve log level")
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _split_keys(cls, value: Any) -> Any:
+        return value.split(",") if isinstance(value, str) else value
+
+    @field_validator("api_key", mode="after")
+    @classmethod
+    def _check_keys(cls, keys: list[SecretStr]) -> list[SecretStr]:
+        ApiKeys.parse(key.get_secret_value() for key in keys)  # empty, non-ASCII, repeated
+        return keys
+
+    @field_validator("api_keys_file", mode="after")
+    @classmethod
+    def _check_file(cls, path: Path | None) -> Path | None:
+        ApiKeys.parse([], path)
+        return path
+
+    @model_validator(mode="after")
+    def _check_all_keys(self) -> Settings:
+        self.api_keys()  # a name or key repeated across the flag and the file
+        return self
+
+    def api_keys(self) -> ApiKeys:
+        """The named keys from ``api_key`` and ``api_keys_file`` (see ``app.keys``)."""
+        entries = [key.get_secret_value() for key in self.api_key]
+        return ApiKeys.parse(entries, self.api_keys_file)

@@ -3,6 +3,8 @@ request passes before it reaches the engine. The HTTP routes hold nothing else."
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import time
 import uuid
@@ -29,6 +31,8 @@ from app.models.mock_language import MockLanguage
 from app.models.protocol import Model
 from app.models.tokenizer import ByteTokenizer
 
+CANCEL_TIMEOUT = 5.0  # seconds DELETE waits for the engine to apply an abort (one step, usually)
+
 
 @dataclass(slots=True)
 class GenerationParams:
@@ -40,6 +44,7 @@ class GenerationParams:
     ignore_eos: bool = False
     request_id: str | None = None
     priority: int = 0
+    user: str | None = None  # the API key's name with keys configured, else the client's field
 
 
 def build_model(settings: Settings) -> Model:
@@ -73,6 +78,7 @@ class Serving:
         usage = getattr(self.model, "cache_usage", None)
         self.metrics.bind(self.engine.core, usage if callable(usage) else None)
         self.started_at = time.time()
+        self.api_keys = settings.api_keys()
 
     @property
     def eos_token_id(self) -> int:
@@ -91,26 +97,39 @@ class Serving:
     def submit(self, params: GenerationParams, id_prefix: str = "gen") -> RequestStream:
         """Validate ``params`` against the model and queue the request; ``APIError`` if refused."""
         seq = self._sequence(params, id_prefix)
+        key = (params.user or "") if self.api_keys.enabled else ""  # a label: key names only
         try:
-            return self.engine.submit(seq)
+            stream = self.engine.submit(seq)
         except QueueFullError as err:
-            self.metrics.reject("queue_full")
+            self.metrics.reject("queue_full", key)
             raise APIError(429, str(err), "overloaded_error", code="queue_full",
                            headers={"Retry-After": "1"}) from err  # fmt: skip
         except DuplicateRequestError as err:
-            self.metrics.reject("duplicate_id")
+            self.metrics.reject("duplicate_id", key)
             raise APIError(409, str(err), param="request_id", code="duplicate_request_id") from err
         except EngineDrainingError as err:
-            self.metrics.reject("draining")
+            self.metrics.reject("draining", key)
             raise APIError(503, str(err), "service_unavailable", code="draining") from err
         except EngineDeadError as err:
-            self.metrics.reject("engine_dead")
+            self.metrics.reject("engine_dead", key)
             raise APIError(503, str(err), "service_unavailable", code="engine_dead") from err
+        self.metrics.attribute(stream.request_id, key)
+        return stream
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """End a live request early (``reason`` is ``abort``, or ``stop`` for a stop string);
         its stream ends and its slot is free before the next model call. False if unknown."""
         return self.engine.abort(request_id, reason)
+
+    async def cancel(self, request_id: str) -> bool:
+        """Abort a live request and wait (at most ``CANCEL_TIMEOUT``) until the engine has
+        applied it, so its id is free again on return. False if no live request has this id."""
+        stream = self.engine.core.live.get(request_id)
+        if stream is None or not self.abort(request_id):
+            return False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stream.ended(), CANCEL_TIMEOUT)
+        return True
 
     def slots(self) -> list[dict[str, object]]:
         """The slot table now, one entry per slot (like llama.cpp's ``/slots``)."""

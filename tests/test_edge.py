@@ -3,9 +3,13 @@ named after the attack it pins."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import resource
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -176,3 +180,145 @@ def test_non_reading_streams_are_cut_off_after_little_unread_data_and_aborted() 
             for sock in readers:
                 sock.close()
         assert max(unread) < 384 * 1024, unread  # it was megabytes: the kernel's whole buffer
+
+
+def _serve_command(*flags: str) -> list[str]:
+    return [sys.executable, "-m", "app", "serve", "--port", "0", *flags]
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "says"),
+    [
+        ((), {"SLOTSERVE_API_KEY": ""}, "is empty"),
+        (("--api-key", ""), {}, "is empty"),
+        (("--api-key", "alice: "), {}, "is empty"),
+        (("--api-key", "clé-secrète"), {}, "outside printable ASCII"),
+        (("--api-key", "a:k1", "--api-key", "a:k2"), {}, "given twice"),
+    ],
+)
+def test_empty_or_non_ascii_api_key_refuses_to_start_with_one_line_error(
+    flags: tuple[str, ...], env: dict[str, str], says: str
+) -> None:
+    """The attack (a careless operator): SLOTSERVE_API_KEY="" started a server that admitted
+    "Authorization: Bearer" with nothing after it, while logging "api key set"."""
+    result = subprocess.run(
+        _serve_command(*flags), env={**os.environ, **env}, capture_output=True, text=True,
+        timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert says in last and "--api-key" in last
+    assert "clé" not in result.stderr and "k1" not in result.stderr
+
+
+@pytest.fixture(scope="module")
+def named_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    keys_file = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys_file.write_text("# team keys\nbob:k-bob-3\n\n  carol:k-carol-4  \n")
+    log_path = keys_file.with_name("server.log")
+    flags = ("--api-key", "alice:k-alice-1", "--api-key", "k-default-2", "--api-keys-file",
+             str(keys_file), "--log-level", "info")  # fmt: skip
+    env = {"SLOTSERVE_API_KEY": "ignored:because-the-flag-wins"}
+    with log_path.open("wb") as log, running_server(*flags, env=env, stderr=log) as server:
+        server.log_path = log_path  # type: ignore[attr-defined]
+        yield server
+
+
+def _bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+def test_named_keys_from_flags_and_file_label_metrics_and_logs_by_name_never_key(
+    named_keys: ServerProcess,
+) -> None:
+    url = named_keys.url
+    body = {"prompt": "x", "max_tokens": 2, "stream": False}
+    for key in ("k-alice-1", "k-default-2", "k-bob-3", "k-carol-4"):
+        assert httpx.post(url + "/generate", json=body, headers=_bearer(key)).status_code == 200
+    wrong = [_bearer(k) for k in ("because-the-flag-wins", "k-alice-1 extra", "k-bob")]
+    for headers in [*wrong, {"authorization": "Bearer"}, {"authorization": "k-bob-3"}, {}]:
+        assert httpx.post(url + "/generate", json=body, headers=headers).status_code == 401
+    metrics = httpx.get(url + "/metrics").text
+    for name in ("alice", "default", "bob", "carol"):
+        assert f'finished_reason="length",key="{name}"' in metrics
+    log = named_keys.log_path.read_text()  # type: ignore[attr-defined]
+    assert "key=alice " in log and "api keys: alice, default, bob, carol" in log
+    assert "k-alice-1" not in log and "k-bob-3" not in log and "k-default-2" not in log
+
+
+def test_a_key_from_a_secret_file_with_a_trailing_newline_still_matches() -> None:
+    with running_server(env={"SLOTSERVE_API_KEY": " k-newline\n"}) as server:
+        reply = httpx.get(server.url + "/v1/models", headers=_bearer("k-newline"))
+        assert reply.status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/docs", "/redoc", "/openapi.json", "/slots", "/v1/models"])
+def test_docs_and_schema_are_not_open_without_the_key(named_keys: ServerProcess, path: str) -> None:
+    assert httpx.get(named_keys.url + path).status_code == 401
+    assert httpx.get(named_keys.url + path, headers=_bearer("k-bob-3")).status_code == 200
+
+
+def test_health_and_metrics_stay_open_with_keys(named_keys: ServerProcess) -> None:
+    assert httpx.get(named_keys.url + "/health").status_code == 200
+    assert httpx.get(named_keys.url + "/metrics").status_code == 200
+
+
+DEEP = b'{"prompt": "x", "max_tokens": 1, "extra": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+BAD_UTF8 = b'{"prompt": "\xff\xfe", "max_tokens": 1}'
+
+
+@pytest.mark.parametrize("content", [BAD_UTF8, DEEP], ids=["invalid_utf8", "deep_nesting"])
+def test_an_unparseable_body_without_a_key_gets_401_first_then_json_invalid(
+    named_keys: ServerProcess, content: bytes
+) -> None:
+    headers = {"content-type": "application/json"}
+    anonymous = httpx.post(named_keys.url + "/generate", content=content, headers=headers)
+    assert anonymous.status_code == 401
+    assert anonymous.json()["error"]["code"] == "invalid_api_key"
+    authorised = httpx.post(named_keys.url + "/generate", content=content,
+                            headers=headers | _bearer("k-alice-1"))  # fmt: skip
+    assert authorised.status_code == 400
+    assert authorised.json()["error"]["code"] == "json_invalid"
+
+
+def threads(server: ServerProcess) -> int:
+    for line in Path(f"/proc/{server.process.pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError("no Threads")
+
+
+@pytest.fixture(scope="module")
+def stepped() -> Iterator[ServerProcess]:
+    with running_server("--mock-step-ms", "50", "--num-slots", "4") as server:
+        yield server
+
+
+async def test_request_id_reuse_right_after_delete_is_accepted(stepped: ServerProcess) -> None:
+    """The bug: DELETE answered ``cancelled: true`` but re-submitting the same id at once got
+    409, 30 times out of 30 with 50 ms steps. DELETE now answers once the abort is applied."""
+    long = {"prompt": "x", "max_tokens": 8000, "ignore_eos": True, "request_id": "reused"}
+    again = {"prompt": "x", "max_tokens": 1, "request_id": "reused", "stream": False}
+    async with httpx.AsyncClient(base_url=stepped.url, timeout=WAIT) as client:
+        for _ in range(10):
+            async with client.stream("POST", "/generate", json=long) as stream:
+                assert stream.status_code == 200
+                await anext(stream.aiter_lines())  # the request is running
+                deleted = await client.delete("/requests/reused")
+                assert deleted.json() == {"request_id": "reused", "cancelled": True}
+                assert (await client.post("/generate", json=again)).status_code == 200
+
+
+async def test_a_burst_of_requests_does_not_grow_the_thread_pool() -> None:
+    """The bug: two plain (non-async) dependencies ran in the thread pool on every request, so
+    a burst took the server from 7 to 46 threads."""
+    with running_server("--num-slots", "64", "--max-waiting", "256") as server:
+        before = threads(server)
+        limits = httpx.Limits(max_connections=100)
+        async with httpx.AsyncClient(base_url=server.url, timeout=30, limits=limits) as client:
+            body = {"prompt": "x", "max_tokens": 4, "stream": False}
+            replies = await asyncio.gather(*(client.post("/generate", json=body)
+                                             for _ in range(100)))  # fmt: skip
+            replies += await asyncio.gather(*(client.get("/v1/models") for _ in range(100)))
+        assert all(reply.status_code == 200 for reply in replies)
+        assert threads(server) <= before + 1

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from app.api.deps import Authorized, ServingDep
+from app.api.deps import KeyNameDep, ServingDep
 from app.api.errors import APIError, error_body
 from app.api.schemas import GenerateRequest
 from app.api.streaming import sse_event, sse_response, until_disconnected
@@ -17,7 +17,7 @@ from app.engine.stream import RequestStream
 from app.engine.types import FinishReason
 from app.serving import GenerationParams, Serving
 
-router = APIRouter(tags=["native"], dependencies=Authorized)
+router = APIRouter(tags=["native"])
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"description": "invalid request"},
@@ -30,7 +30,9 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 @router.post("/generate", responses=ERROR_RESPONSES)
-async def generate(body: GenerateRequest, request: Request, serving: ServingDep) -> Response:
+async def generate(
+    body: GenerateRequest, request: Request, serving: ServingDep, key_name: KeyNameDep
+) -> Response:
     """Generate tokens for one prompt: an SSE stream of ``token`` events then one ``done`` (or
     ``error``) event, or with ``stream: false`` one JSON object shaped like ``done``."""
     prompt = serving.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
@@ -41,6 +43,7 @@ async def generate(body: GenerateRequest, request: Request, serving: ServingDep)
         ignore_eos=body.ignore_eos,
         request_id=body.request_id,
         priority=body.priority,
+        user=key_name if key_name is not None else body.user,
     )
     stream = serving.submit(params)
     if body.stream:
@@ -53,8 +56,9 @@ async def generate(body: GenerateRequest, request: Request, serving: ServingDep)
 
 @router.delete("/requests/{request_id}", responses={404: {"description": "unknown request"}})
 async def cancel(request_id: str, serving: ServingDep) -> dict[str, object]:
-    """Cancel a waiting or running request; its stream ends with ``finish_reason: abort``."""
-    if not serving.abort(request_id):
+    """Cancel a waiting or running request; its stream ends with ``finish_reason: abort``. The
+    answer comes once the engine has applied the abort, so the id can be reused at once."""
+    if not await serving.cancel(request_id):
         raise APIError(404, f"no live request with id {request_id!r}", "not_found_error",
                        param="request_id", code="request_not_found")  # fmt: skip
     return {"request_id": request_id, "cancelled": True}

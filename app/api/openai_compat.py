@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from app.api.deps import Authorized, ServingDep
+from app.api.deps import KeyNameDep, ServingDep
 from app.api.errors import APIError, error_body
 from app.api.native import ERROR_RESPONSES
 from app.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIParams
@@ -20,7 +20,7 @@ from app.engine.stream import RequestStream
 from app.engine.types import FinishReason
 from app.serving import GenerationParams, Serving
 
-router = APIRouter(prefix="/v1", tags=["openai"], dependencies=Authorized)
+router = APIRouter(prefix="/v1", tags=["openai"])
 DONE = b"data: [DONE]\n\n"
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -38,24 +38,26 @@ async def list_models(serving: ServingDep) -> dict[str, Any]:
 
 
 @router.post("/completions", responses=ERROR_RESPONSES)
-async def completions(body: CompletionRequest, request: Request, serving: ServingDep) -> Response:
+async def completions(
+    body: CompletionRequest, request: Request, serving: ServingDep, key_name: KeyNameDep
+) -> Response:
     ids = completion_prompt_ids(body, serving)
     max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
-    run = _start(serving, body, ids, max_tokens, "cmpl")
+    run = _start(serving, body, ids, max_tokens, "cmpl", key_name)
     shape = CompletionShape(run.id, serving.settings.model_name)
     return await _respond(run, body, request, serving, shape)
 
 
 @router.post("/chat/completions", responses=ERROR_RESPONSES)
 async def chat_completions(
-    body: ChatCompletionRequest, request: Request, serving: ServingDep
+    body: ChatCompletionRequest, request: Request, serving: ServingDep, key_name: KeyNameDep
 ) -> Response:
     ids = serving.tokenizer.encode(render_chat(body))
     # max_completion_tokens replaces the deprecated max_tokens; it wins when both are set
     max_tokens = (
         body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
     )
-    run = _start(serving, body, ids, max_tokens, "chatcmpl")
+    run = _start(serving, body, ids, max_tokens, "chatcmpl", key_name)
     shape = ChatShape(run.id, serving.settings.model_name)
     return await _respond(run, body, request, serving, shape)
 
@@ -90,7 +92,12 @@ class Run:
 
 
 def _start(
-    serving: Serving, body: OpenAIParams, ids: list[int], max_tokens: int | None, prefix: str
+    serving: Serving,
+    body: OpenAIParams,
+    ids: list[int],
+    max_tokens: int | None,
+    prefix: str,
+    key_name: str | None,
 ) -> Run:
     if body.model is not None and body.model != serving.settings.model_name:
         raise APIError(404, f"model {body.model!r} does not exist; this server serves "
@@ -103,7 +110,7 @@ def _start(
                        param=unsupported, code="unsupported_parameter")  # fmt: skip
     params = GenerationParams(
         prompt=ids, max_tokens=max_tokens, stop_token_ids=body.stop_token_ids,
-        ignore_eos=body.ignore_eos,
+        ignore_eos=body.ignore_eos, user=key_name if key_name is not None else body.user,
     )  # fmt: skip
     stream = serving.submit(params, id_prefix=prefix)
     return Run(stream.request_id, stream, StopStringMatcher(body.stop_strings()), int(time.time()))

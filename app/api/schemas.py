@@ -28,6 +28,7 @@ RequestId = Annotated[
     StrictStr, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")
 ]
 MaxTokens = Annotated[StrictInt, Field(ge=0)]
+UserName = Annotated[StrictStr, Field(max_length=256), AfterValidator(_unicode_text)]
 
 
 class GenerateRequest(BaseModel):
@@ -42,6 +43,7 @@ class GenerateRequest(BaseModel):
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
     request_id: RequestId | None = Field(None, description="client id; a live duplicate: 409")
     priority: StrictInt = Field(0, description="accepted; honoured by a later policy")
+    user: UserName | None = Field(None, description="end user, for fairness (API keys win)")
 
 
 class StreamOptions(BaseModel):
