@@ -17,7 +17,11 @@ from typing import Any
 
 import httpx
 import pytest
+from conftest import ClientFactory, serving_of
 from server_process import ServerProcess, running_server
+
+from app.engine.stream import RequestStream
+from app.serving import GenerationParams, Serving
 
 WAIT = 10.0
 
@@ -322,3 +326,35 @@ async def test_a_burst_of_requests_does_not_grow_the_thread_pool() -> None:
             replies += await asyncio.gather(*(client.get("/v1/models") for _ in range(100)))
         assert all(reply.status_code == 200 for reply in replies)
         assert threads(server) <= before + 1
+
+
+async def test_the_key_name_is_the_requests_user_and_the_user_field_is_used_without_keys(
+    make_client: ClientFactory,
+) -> None:
+    """A later per-user fairness policy reads ``GenerationParams.user``: the authenticated
+    key's name when keys are configured (a client cannot claim another user), else the
+    client's own ``user`` field (native or OpenAI)."""
+    seen: list[str | None] = []
+
+    def spy(serving: Serving) -> None:
+        submit = serving.submit
+
+        def recording(params: GenerationParams, id_prefix: str = "gen") -> RequestStream:
+            seen.append(params.user)
+            return submit(params, id_prefix)
+
+        serving.submit = recording  # type: ignore[method-assign]
+
+    native = {"prompt": "x", "max_tokens": 1, "stream": False, "user": "mallory"}
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "user": "mallory"}
+    async with make_client(api_key=["alice:k-a"]) as client:
+        spy(serving_of(client))
+        headers = _bearer("k-a")
+        assert (await client.post("/generate", json=native, headers=headers)).status_code == 200
+        reply = await client.post("/v1/chat/completions", json=chat, headers=headers)
+        assert reply.status_code == 200
+    async with make_client() as client:
+        spy(serving_of(client))
+        assert (await client.post("/generate", json=native)).status_code == 200
+        assert (await client.post("/v1/chat/completions", json=chat)).status_code == 200
+    assert seen == ["alice", "alice", "mallory", "mallory"]
