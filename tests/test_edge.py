@@ -322,8 +322,8 @@ async def test_a_burst_of_requests_does_not_grow_the_thread_pool() -> None:
         async with httpx.AsyncClient(base_url=server.url, timeout=30, limits=limits) as client:
             body = {"prompt": "x", "max_tokens": 4, "stream": False}
             replies = await asyncio.gather(*(client.post("/generate", json=body)
-                                             for _ in range(100)))  # fmt: skip
-            replies += await asyncio.gather(*(client.get("/v1/models") for _ in range(100)))
+                                             for _ in range(50)))  # fmt: skip
+            replies += await asyncio.gather(*(client.get("/v1/models") for _ in range(50)))
         assert all(reply.status_code == 200 for reply in replies)
         assert threads(server) <= before + 1
 
@@ -358,3 +358,28 @@ async def test_the_key_name_is_the_requests_user_and_the_user_field_is_used_with
         assert (await client.post("/generate", json=native)).status_code == 200
         assert (await client.post("/v1/chat/completions", json=chat)).status_code == 200
     assert seen == ["alice", "alice", "mallory", "mallory"]
+
+
+async def test_a_flood_past_the_connection_bound_evicts_slowloris_not_running_streams() -> None:
+    """Past the bound and its headroom, a new connection closes the one waiting longest for
+    its headers. A stream being sent has finished its headers: it must never be the one."""
+    with running_server("--max-connections", "4", "--header-timeout", "60",
+                        "--mock-step-ms", "5") as server:  # fmt: skip
+        long = {"prompt": "x", "max_tokens": 8000, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=server.url, timeout=WAIT) as client:
+            async with client.stream("POST", "/generate", json=long) as stream:
+                lines = stream.aiter_lines()
+                await anext(lines)  # the stream is running
+                attackers = []
+                try:
+                    for _ in range(80):  # 4 + 32 headroom, then evictions
+                        sock = socket.create_connection(("127.0.0.1", server.port))
+                        sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n")
+                        attackers.append(sock)
+                    assert (await client.get("/health")).status_code == 200
+                    for _ in range(50):  # the stream still flows
+                        assert await anext(lines) is not None
+                    assert read_reply(attackers[0]).startswith(b"HTTP/1.1 408 ")
+                finally:
+                    for sock in attackers:
+                        sock.close()

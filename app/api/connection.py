@@ -144,16 +144,18 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_bytes = 0
 
     def _slowest_other(self) -> GuardedHttpToolsProtocol | None:
-        """The open connection, other than this one, waiting longest for request headers."""
+        """The open connection, other than this one, waiting longest for request headers with
+        no response in progress (a stream being sent is never chosen)."""
         waiting = [
             c
             for c in self.connections
-            if isinstance(c, GuardedHttpToolsProtocol)
-            and c is not self
-            and c._awaiting_headers
-            and not c.transport.is_closing()
+            if isinstance(c, GuardedHttpToolsProtocol) and c is not self and c._idle()
         ]
         return min(waiting, key=lambda c: c._waiting_since, default=None)
+
+    def _idle(self) -> bool:
+        responding = self.cycle is not None and not self.cycle.response_complete
+        return self._awaiting_headers and not responding and not self.transport.is_closing()
 
     def abort(self) -> None:
         """Drop the connection now, discarding whatever is still queued for the client."""
