@@ -162,8 +162,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.abort()
 
     def _refuse(self, status: int, reason: bytes, message: str, code: str) -> None:
-        log.info("refused a connection: %s (%d)", message, status)
         self._disarm_deadline()
+        if self.transport.is_closing():
+            return  # already answered (e.g. uvicorn's own 400 for a malformed request)
+        log.info("refused a connection: %s (%d)", message, status)
         self.transport.write(_reply(status, reason, message, code))
         self.transport.close()
 
