@@ -75,15 +75,9 @@ class Settings(BaseSettings):
         ApiKeys.parse(key.get_secret_value() for key in keys)  # empty, non-ASCII, repeated
         return keys
 
-    @field_validator("api_keys_file", mode="after")
-    @classmethod
-    def _check_file(cls, path: Path | None) -> Path | None:
-        ApiKeys.parse([], path)
-        return path
-
     @model_validator(mode="after")
     def _check_all_keys(self) -> Settings:
-        self.api_keys()  # a name or key repeated across the flag and the file
+        self.api_keys()  # the file's keys, and a name or key in both the flag and the file
         return self
 
     def api_keys(self) -> ApiKeys:
