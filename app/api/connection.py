@@ -13,9 +13,9 @@ client can hold before its request even reaches the app.
   connections cannot lock out ``/health``, and the bound stays below the process's file limit.
 - **Send buffer.** Each socket's kernel send buffer is capped at ``STREAM_BUFFER_BYTES``, so a
   client that stops reading blocks a stream's sends after about that much unread data, not
-  after the megabyte or more the kernel would otherwise queue. The connection is reachable
-  from the ASGI scope (``scope["extensions"][EXTENSION]["connection"]``), so a stream can
-  abort it at once.
+  after the megabyte or more the kernel would otherwise queue. The connection's transport is
+  in the ASGI scope (``scope["extensions"][EXTENSION]["transport"]``), so a stream can abort
+  it at once.
 """
 
 from __future__ import annotations
@@ -127,7 +127,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self.scope["extensions"] = {EXTENSION: {"connection": self}}
+        # the transport, not this protocol: no reference cycle through the scope (asyncio
+        # drops a transport's references when it closes)
+        self.scope["extensions"] = {EXTENSION: {"transport": self.transport}}
 
     def on_headers_complete(self) -> None:
         self._awaiting_headers = False
@@ -156,10 +158,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _idle(self) -> bool:
         responding = self.cycle is not None and not self.cycle.response_complete
         return self._awaiting_headers and not responding and not self.transport.is_closing()
-
-    def abort(self) -> None:
-        """Drop the connection now, discarding whatever is still queued for the client."""
-        self.transport.abort()
 
     def _refuse(self, status: int, reason: bytes, message: str, code: str) -> None:
         self._disarm_deadline()

@@ -99,9 +99,9 @@ class EventStream(EventSourceResponse):
 def _abort_connection(scope: Scope) -> None:
     """Drop a cut-off stream's connection at once: a graceful close would wait for the unread
     data to flush, which a client that stopped reading never lets happen."""
-    connection = scope.get("extensions", {}).get(EXTENSION, {}).get("connection")
-    if connection is not None:
-        connection.abort()
+    transport = scope.get("extensions", {}).get(EXTENSION, {}).get("transport")
+    if transport is not None:
+        transport.abort()
 
 
 CUT_OFF: ContextVar[bool] = ContextVar("slotserve_cut_off", default=False)
