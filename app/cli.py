@@ -10,7 +10,8 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import SecretStr, ValidationError
+from pydantic import ValidationError
+from pydantic_core import PydanticUndefined
 
 from app.config import Settings
 
@@ -40,13 +41,15 @@ def _add_flag(
     env = f"SLOTSERVE_{name.upper()}"
     kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS}
     choices = _literal_choices(annotation)
-    if choices:
+    if typing.get_origin(annotation) is list:
+        kwargs["action"] = "append"
+    elif choices:
         kwargs["choices"] = choices
     elif annotation is bool:
         kwargs["action"] = argparse.BooleanOptionalAction
     elif annotation in (int, float):
         kwargs["type"] = annotation
-    shown = "(unset)" if default is None else default
+    shown = "(unset)" if default in (None, PydanticUndefined) else default
     parser.add_argument(flag, help=f"{help} [env {env}; default {shown}]", **kwargs)
 
 
@@ -84,12 +87,13 @@ def parse(argv: Sequence[str] | None = None) -> tuple[str, Settings]:
 
 
 def _describe(error: Any) -> str:
-    if not error.get("loc"):  # a rule between settings: its message names the flags
-        return str(error["msg"]).removeprefix("Value error, ")
+    message = str(error["msg"]).removeprefix("Value error, ")
+    if not error.get("loc"):
+        return message  # about several fields (e.g. the same API key in a flag and the file)
     name = str(error["loc"][0])
     flag = "--" + name.replace("_", "-")
-    got = "" if name == "api_key" else f", got {error.get('input')!r}"  # a key is never shown
-    return f"{flag} (SLOTSERVE_{name.upper()}): {error['msg']}{got}"
+    got = "" if name.startswith("api_key") else f", got {error.get('input')!r}"  # keys unseen
+    return f"{flag} (SLOTSERVE_{name.upper()}): {message}{got}"
 
 
 def check_real_model(settings: Settings) -> None:
@@ -120,10 +124,10 @@ def serve(settings: Settings) -> None:
     if wants_real_model(settings):
         check_real_model(settings)
         settings = named(settings)
-    key = "set" if isinstance(settings.api_key, SecretStr) else "unset"
+    names = ", ".join(settings.api_keys().names) or "none: no authentication"
     logging.getLogger("slotserve").info(
-        "serving %s on %s:%d with %d slots (api key %s)",
-        settings.model_name, settings.host, settings.port, settings.num_slots, key,
+        "serving %s on %s:%d with %d slots (api keys: %s)",
+        settings.model_name, settings.host, settings.port, settings.num_slots, names,
     )  # fmt: skip
     try:
         app = create_app(settings)

@@ -124,11 +124,13 @@ class EngineMetrics:
         self.prompt_tokens = counter("vllm:prompt_tokens_total", "Prefilled prompt tokens.")
         self.generation_tokens = counter("vllm:generation_tokens_total", "Generated tokens.")
         self.success = counter(
-            "vllm:request_success_total", "Finished requests.", ["finished_reason"]
+            "vllm:request_success_total", "Finished requests.", ["finished_reason", "key"]
         )
         self.rejected = counter(
-            "slotserve:requests_rejected_total", "Requests refused before queueing.", ["reason"]
-        )
+            "slotserve:requests_rejected_total", "Requests refused before queueing.",
+            ["reason", "key"],
+        )  # fmt: skip
+        self._keys: dict[str, str] = {}  # request id -> API key name, for the "key" label
         self.model_failures = counter("slotserve:model_call_failures_total", "Failed model calls.")
         self.preemptions = counter(
             "vllm:num_preemptions_total", "Requests preempted (their slot taken back)."
@@ -171,8 +173,9 @@ class EngineMetrics:
         self._preemptions = self.preemptions.labels(model_name)
         self._prefix_queries = self.prefix_queries.labels(model_name)
         self._prefix_hits = self.prefix_hits.labels(model_name)
-        export_at_zero(self.success, *[(model_name, reason.value) for reason in FinishReason])
-        export_at_zero(self.rejected, *[(model_name, reason) for reason in REJECT_REASONS])
+        # the "key" label is "" without named API keys (a named key's series start at its first use)
+        export_at_zero(self.success, *[(model_name, r.value, "") for r in FinishReason])
+        export_at_zero(self.rejected, *[(model_name, reason, "") for reason in REJECT_REASONS])
         for metric in (self.model_failures, self.ttft, self.e2e, self.queue_time,
                        self.prompt_len, self.gen_len):  # fmt: skip
             export_at_zero(metric, (model_name,))
@@ -189,8 +192,14 @@ class EngineMetrics:
         self.slots_out_of_service.labels(name).set_function(lambda: len(slots.out_of_service))
         self.registry.register(ObserverErrors(core, {"model_name": name}))
 
-    def reject(self, reason: str) -> None:
-        self.rejected.labels(self.model_name, reason).inc()
+    def reject(self, reason: str, key: str = "") -> None:
+        """A request refused before queueing; ``key`` is its API key's name ("" without keys)."""
+        self.rejected.labels(self.model_name, reason, key).inc()
+
+    def attribute(self, request_id: str, key: str) -> None:
+        """Label the live request ``request_id``'s counters with API key name ``key``."""
+        if key:
+            self._keys[request_id] = key
 
     def on_step(self, outcome: StepOutcome) -> None:
         """One model call ended. Counts its prompt tokens (a request's prompt once, however
@@ -220,7 +229,8 @@ class EngineMetrics:
     def on_finished(self, seq: Sequence) -> None:
         name, times = self.model_name, seq.times
         reason = seq.finish_reason.value if seq.finish_reason else "unknown"
-        self.success.labels(name, reason).inc()
+        key = self._keys.pop(seq.request_id, "")
+        self.success.labels(name, reason, key).inc()
         self.prompt_len.labels(name).observe(seq.prompt_len)
         self.gen_len.labels(name).observe(seq.num_generated)
         end = times.finished or times.arrival
@@ -231,8 +241,8 @@ class EngineMetrics:
         if ttft is not None:
             self.ttft.labels(name).observe(ttft)
         log.info(
-            "request=%s prompt_tokens=%d generated_tokens=%d finish_reason=%s "
+            "request=%s key=%s prompt_tokens=%d generated_tokens=%d finish_reason=%s "
             "queue_s=%.4f ttft_s=%s total_s=%.4f",
-            seq.request_id, seq.prompt_len, seq.num_generated, reason, queue,
+            seq.request_id, key or "-", seq.prompt_len, seq.num_generated, reason, queue,
             "-" if ttft is None else f"{ttft:.4f}", end - times.arrival,
         )  # fmt: skip

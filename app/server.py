@@ -16,6 +16,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from app.api.connection import ConnectionLimits, connection_bound, guarded_protocol
 from app.serving import Serving
 
 log = logging.getLogger("slotserve.server")
@@ -55,10 +56,18 @@ class DrainingServer(uvicorn.Server):
 
 
 def run(app: FastAPI, host: str, port: int, log_level: str) -> None:
-    """Serve ``app`` (one worker: the engine lives in this process) until drained."""
+    """Serve ``app`` (one worker: the engine lives in this process) until drained, behind the
+    connection guards of ``app.api.connection``."""
     serving: Serving = app.state.serving
+    settings = serving.settings
+    limits = ConnectionLimits(
+        max_header_bytes=settings.max_header_bytes,
+        header_timeout=settings.header_timeout,
+        max_connections=connection_bound(settings.max_connections),
+    )
     config = uvicorn.Config(
         app,
+        http=guarded_protocol(limits),
         host=host,
         port=port,
         log_level=log_level,

@@ -4,6 +4,7 @@ request passes before it reaches the engine. The HTTP routes hold nothing else."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -46,6 +47,9 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str, code: str) -> None:
         super().__init__(message)
         self.param, self.code = param, code
+
+
+CANCEL_TIMEOUT = 5.0  # seconds DELETE waits for the engine to apply an abort (one step, usually)
 
 
 @dataclass(slots=True)
@@ -154,6 +158,7 @@ class Serving:
         )
         self.started_at = time.time()
         self.priority_limits = settings.priority_limits()
+        self.api_keys = settings.api_keys()
         self.load_error: str | None = None
         self._loading: asyncio.Task[None] | None = None
         self._engine: Engine | None = None
@@ -265,17 +270,30 @@ class Serving:
         """Queue a prepared sequence. The engine's refusal (``QueueFullError``,
         ``DuplicateRequestError``, ``EngineDrainingError``, ``EngineDeadError``) is counted and
         raised; the API layer turns it into its HTTP answer."""
+        key = (seq.user or "") if self.api_keys.enabled else ""  # a label: key names only
         try:
-            return self.engine.submit(seq)
+            stream = self.engine.submit(seq)
         except EngineError as err:
-            self.metrics.reject(REJECTION_REASONS.get(type(err), "engine_dead"))
+            self.metrics.reject(REJECTION_REASONS.get(type(err), "engine_dead"), key)
             raise
+        self.metrics.attribute(stream.request_id, key)
+        return stream
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """End a live request early with ``reason`` (``abort``; failure injection uses
         ``error``); its stream ends and its slot is free before the next model call. False if
         no live request has this id."""
         return self.engine.abort(request_id, reason)
+
+    async def cancel(self, request_id: str) -> bool:
+        """Abort a live request and wait (at most ``CANCEL_TIMEOUT``) until the engine has
+        applied it, so its id is free again on return. False if no live request has this id."""
+        stream = self.engine.core.live.get(request_id)
+        if stream is None or not self.abort(request_id):
+            return False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stream.ended(), CANCEL_TIMEOUT)
+        return True
 
     def slots(self) -> list[dict[str, object]]:
         """The slot table now, one entry per slot (like llama.cpp's ``/slots``)."""

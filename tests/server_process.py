@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -47,10 +47,12 @@ def running_server(
     env: dict[str, str] | None = None,
     stderr: Any = None,
     launcher: Sequence[str] = ("-m", "app", "serve"),
+    preexec_fn: Callable[[], None] | None = None,
 ) -> Iterator[ServerProcess]:
     """Start a server with ``flags`` on a free port; wait until /health is 200; kill it after.
     ``launcher``: the interpreter's arguments that start it (a test-only script takes the
-    ``serve`` flags too, e.g. tests/hanging_server.py)."""
+    ``serve`` flags too, e.g. tests/hanging_server.py). ``preexec_fn`` runs in the child before
+    it starts (e.g. to lower its file limit)."""
     port = free_port()
     command = [
         sys.executable,
@@ -62,7 +64,11 @@ def running_server(
         *flags,
     ]
     process = subprocess.Popen(
-        command, env={**os.environ, **(env or {})}, stdout=stderr, stderr=stderr
+        command,
+        env={**os.environ, **(env or {})},
+        stdout=stderr,
+        stderr=stderr,
+        preexec_fn=preexec_fn,
     )
     server = ServerProcess(process, port)
     try:

@@ -27,7 +27,9 @@ async def test_metrics_use_vllm_names_and_count_requests(make_client: ClientFact
                 json={"prompt": "ab", "max_tokens": 5, "ignore_eos": True, "stream": False},
             )
         text = (await client.get("/metrics")).text
-        assert 'vllm:request_success_total{finished_reason="length",model_name="m"} 3.0' in text
+        assert (
+            'vllm:request_success_total{finished_reason="length",key="",model_name="m"} 3.0' in text
+        )
         assert 'vllm:generation_tokens_total{model_name="m"} 15.0' in text
         assert 'vllm:prompt_tokens_total{model_name="m"} 6.0' in text
         for name in (
@@ -57,8 +59,8 @@ async def test_gauges_are_fresh_right_after_aborts(make_client: ClientFactory) -
         assert 'vllm:num_requests_running{model_name="slotserve-mock"} 0.0' in text
         assert 'vllm:num_requests_waiting{model_name="slotserve-mock"} 0.0' in text
         assert (
-            'vllm:request_success_total{finished_reason="abort",model_name="slotserve-mock"} 4.0'
-            in text
+            'vllm:request_success_total{finished_reason="abort",key="",'
+            'model_name="slotserve-mock"} 4.0' in text
         )
 
 

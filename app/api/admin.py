@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from app.api.deps import ServingDep, require_api_key
+from app.api.deps import ServingDep
 from app.api.errors import error_body
 
 router = APIRouter(tags=["operations"])
@@ -35,7 +35,7 @@ async def metrics(serving: ServingDep) -> Response:
     return Response(generate_latest(serving.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/slots", dependencies=[Depends(require_api_key)])
+@router.get("/slots")
 async def slots(serving: ServingDep) -> dict[str, Any]:
     """The slot table now: per slot its request, tokens generated, max_tokens and age."""
     engine = serving.engine

@@ -1,34 +1,27 @@
-"""Dependencies: the serving context and the API-key check."""
+"""Dependencies: the serving context and the authenticated API key's name. Both are async, so
+FastAPI runs them on the event loop instead of sending each request through its thread pool."""
 
 from __future__ import annotations
 
-import hmac
 from typing import Annotated
 
 from fastapi import Depends, Request
 
-from app.api.errors import invalid_api_key
+from app.api.auth import STATE_KEY
 from app.serving import Serving
 
 
-def get_serving(request: Request) -> Serving:
+async def get_serving(request: Request) -> Serving:
     serving: Serving = request.app.state.serving
     return serving
 
 
+async def get_key_name(request: Request) -> str | None:
+    """The name of the API key the request was authenticated with (``app.api.auth``), or None
+    when the server has no keys."""
+    name: str | None = getattr(request.state, STATE_KEY, None)
+    return name
+
+
 ServingDep = Annotated[Serving, Depends(get_serving)]
-
-
-def require_api_key(request: Request, serving: ServingDep) -> None:
-    """With ``--api-key`` set, demand ``Authorization: Bearer <key>`` (constant-time compare)."""
-    secret = serving.settings.api_key
-    if secret is None:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    expected = secret.get_secret_value().encode()
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
-        raise invalid_api_key()
-
-
-Authorized = [Depends(require_api_key)]
+KeyNameDep = Annotated[str | None, Depends(get_key_name)]

@@ -69,9 +69,14 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, _unexpected_error)
 
 
+def response_for(err: APIError) -> JSONResponse:
+    """The HTTP response of ``err`` (handlers and pure-ASGI middleware answer alike)."""
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    return response_for(exc)
 
 
 async def _refused(request: Request, exc: Exception) -> JSONResponse:
@@ -83,13 +88,7 @@ async def _refused(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, RequestValidationError)
-    from app.api.deps import require_api_key  # deps uses this module
-
-    try:  # a body is parsed before the route's dependencies run: authenticate first
-        require_api_key(request, request.app.state.serving)
-    except APIError as err:
-        return await _api_error(request, err)
+    assert isinstance(exc, RequestValidationError)  # the API key was checked before (auth)
     errors = exc.errors()
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
@@ -149,6 +148,12 @@ def _problem(errors: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], str | No
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError | RecursionError):
+        # FastAPI's answer to a body json.loads cannot even start on (invalid UTF-8) or gives
+        # up on (nested past Python's recursion limit): still a JSON error, so say so
+        what = "not UTF-8" if isinstance(exc.__cause__, UnicodeDecodeError) else "nested too deep"
+        message = f"request body is not valid JSON: {what}"
+        return JSONResponse(error_body(message, INVALID, None, "json_invalid"), status_code=400)
     kind = "not_found_error" if exc.status_code == 404 else INVALID
     return JSONResponse(
         error_body(str(exc.detail), kind, None, None),

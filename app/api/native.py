@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from app.api import faults
-from app.api.deps import Authorized, ServingDep
+from app.api.deps import KeyNameDep, ServingDep
 from app.api.errors import APIError, error_body, model_failed_message
 from app.api.schemas import GenerateRequest
 from app.api.streaming import sse_event, sse_response, until_disconnected
@@ -18,7 +18,7 @@ from app.engine.stream import RequestStream
 from app.engine.types import FinishReason
 from app.serving import GenerationParams, Serving
 
-router = APIRouter(tags=["native"], dependencies=Authorized)
+router = APIRouter(tags=["native"])
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"description": "invalid request"},
@@ -31,7 +31,9 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 @router.post("/generate", responses=ERROR_RESPONSES)
-async def generate(body: GenerateRequest, request: Request, serving: ServingDep) -> Response:
+async def generate(
+    body: GenerateRequest, request: Request, serving: ServingDep, key_name: KeyNameDep
+) -> Response:
     """Generate tokens for one prompt: an SSE stream of ``token`` events then one ``done`` (or
     ``error``) event, or with ``stream: false`` one JSON object shaped like ``done``."""
     prompt = serving.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
@@ -43,7 +45,8 @@ async def generate(body: GenerateRequest, request: Request, serving: ServingDep)
         request_id=body.request_id,
         priority=body.priority,
         sampling=body.sampling(),
-        user=body.user,
+        user=key_name if key_name is not None else body.user,
+        key_name=key_name,
     )
     stream = faults.submit(request, serving, params, streaming=body.stream)
     if body.stream:
@@ -70,8 +73,9 @@ def flag_ignored_priority(response: Response, serving: Serving, priority: int) -
 
 @router.delete("/requests/{request_id}", responses={404: {"description": "unknown request"}})
 async def cancel(request_id: str, serving: ServingDep) -> dict[str, object]:
-    """Cancel a waiting or running request; its stream ends with ``finish_reason: abort``."""
-    if not serving.abort(request_id):
+    """Cancel a waiting or running request; its stream ends with ``finish_reason: abort``. The
+    answer comes once the engine has applied the abort, so the id can be reused at once."""
+    if not await serving.cancel(request_id):
         raise APIError(404, f"no live request with id {request_id!r}", "not_found_error",
                        param="request_id", code="request_not_found")  # fmt: skip
     return {"request_id": request_id, "cancelled": True}

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from app.api import faults
-from app.api.deps import Authorized, ServingDep
+from app.api.deps import KeyNameDep, ServingDep
 from app.api.errors import APIError, error_body, model_failed_message, model_not_found
 from app.api.native import ERROR_RESPONSES, flag_ignored_priority
 from app.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIParams
@@ -21,7 +21,7 @@ from app.engine.stream import RequestStream
 from app.engine.types import FinishReason
 from app.serving import GenerationParams, Serving
 
-router = APIRouter(prefix="/v1", tags=["openai"], dependencies=Authorized)
+router = APIRouter(prefix="/v1", tags=["openai"])
 DONE = b"data: [DONE]\n\n"
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -40,10 +40,12 @@ async def list_models(serving: ServingDep) -> dict[str, Any]:
 
 
 @router.post("/completions", responses=ERROR_RESPONSES)
-async def completions(body: CompletionRequest, request: Request, serving: ServingDep) -> Response:
+async def completions(
+    body: CompletionRequest, request: Request, serving: ServingDep, key_name: KeyNameDep
+) -> Response:
     ids = completion_prompt_ids(body, serving)
     max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
-    run = _start(request, serving, body, ids, max_tokens, "cmpl")
+    run = _start(request, serving, body, ids, max_tokens, "cmpl", key_name)
     shape = CompletionShape(run.id, serving.settings.model_name)
     response = await _respond(run, body, request, serving, shape)
     return flag_ignored_priority(response, serving, body.priority)
@@ -51,14 +53,14 @@ async def completions(body: CompletionRequest, request: Request, serving: Servin
 
 @router.post("/chat/completions", responses=ERROR_RESPONSES)
 async def chat_completions(
-    body: ChatCompletionRequest, request: Request, serving: ServingDep
+    body: ChatCompletionRequest, request: Request, serving: ServingDep, key_name: KeyNameDep
 ) -> Response:
     ids = serving.tokenizer.chat_prompt([(m.role, m.text()) for m in body.messages])
     # max_completion_tokens replaces the deprecated max_tokens; it wins when both are set
     max_tokens = (
         body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
     )
-    run = _start(request, serving, body, ids, max_tokens, "chatcmpl")
+    run = _start(request, serving, body, ids, max_tokens, "chatcmpl", key_name)
     shape = ChatShape(run.id, serving.settings.model_name)
     response = await _respond(run, body, request, serving, shape)
     return flag_ignored_priority(response, serving, body.priority)
@@ -94,6 +96,7 @@ def _start(
     ids: list[int],
     max_tokens: int | None,
     prefix: str,
+    key_name: str | None,
 ) -> Run:
     if body.model is not None and body.model != serving.settings.model_name:
         raise model_not_found(body.model, serving.settings.model_name)
@@ -106,7 +109,8 @@ def _start(
     params = GenerationParams(
         prompt=ids, max_tokens=max_tokens, stop_token_ids=body.stop_token_ids,
         stop_strings=stops, ignore_eos=body.ignore_eos, priority=body.priority,
-        sampling=body.sampling(), user=body.user,
+        sampling=body.sampling(), user=key_name if key_name is not None else body.user,
+        key_name=key_name,
     )  # fmt: skip
     stream = faults.submit(
         request, serving, params, streaming=bool(body.stream), id_prefix=prefix, model=body.model

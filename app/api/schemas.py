@@ -31,6 +31,7 @@ RequestId = Annotated[
 ]
 MaxTokens = Annotated[StrictInt, Field(ge=0)]
 Priority = Annotated[StrictInt, Field(ge=-1000, le=1000)]
+UserName = Annotated[StrictStr, Field(max_length=256), AfterValidator(_unicode_text)]
 
 
 class SamplingFields(BaseModel):
@@ -63,7 +64,7 @@ class GenerateRequest(SamplingFields):
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
     request_id: RequestId | None = Field(None, description="client id; a live duplicate: 409")
     priority: Priority = Field(0, description="lower runs first under --policy priority")
-    user: Text | None = Field(None, description="the user, for per-user fairness")
+    user: UserName | None = Field(None, description="end user, for fairness (API keys win)")
 
 
 class StreamOptions(BaseModel):
@@ -98,7 +99,7 @@ class OpenAIParams(SamplingFields):
     ignore_eos: StrictBool = False
     n: Literal[1] | None = 1
     priority: Priority = Field(0, description="vLLM's extension: lower runs first")
-    user: Text | None = None
+    user: UserName | None = None
 
     # Fields that would change the response's shape (echoed prompt, log-probabilities, tool
     # calls, JSON mode): this server cannot honour them, so a value other than the neutral one

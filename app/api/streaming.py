@@ -13,6 +13,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.types import Message, Receive, Scope, Send
 
+from app.api.connection import EXTENSION
 from app.engine.stream import RequestStream
 from app.serving import Serving
 
@@ -79,6 +80,7 @@ class EventStream(EventSourceResponse):
             if self._stalled:
                 CUT_OFF.set(True)  # for HideCutOffResponses: this task returns mid-response
                 log.info("cut off a stream whose reader stalled for %.1f s", self.stall_timeout)
+                _abort_connection(scope)
             self.on_close()
 
     def _watch(self, loop: asyncio.AbstractEventLoop, pending_send: int) -> None:
@@ -92,6 +94,14 @@ class EventStream(EventSourceResponse):
             return
         mark = self._sends if sender is not None else NO_SEND
         self._watchdog = loop.call_later(self.stall_timeout, self._watch, loop, mark)
+
+
+def _abort_connection(scope: Scope) -> None:
+    """Drop a cut-off stream's connection at once: a graceful close would wait for the unread
+    data to flush, which a client that stopped reading never lets happen."""
+    transport = scope.get("extensions", {}).get(EXTENSION, {}).get("transport")
+    if transport is not None:
+        transport.abort()
 
 
 CUT_OFF: ContextVar[bool] = ContextVar("slotserve_cut_off", default=False)

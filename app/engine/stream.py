@@ -26,13 +26,14 @@ class Delta:
 class RequestStream:
     """Async iterator of ``Delta``s for one request, ending after the delta with a finish reason."""
 
-    __slots__ = ("_done", "_event", "_read", "seq")
+    __slots__ = ("_done", "_ended", "_event", "_read", "seq")
 
     def __init__(self, seq: Sequence) -> None:
         self.seq = seq
         self._read = seq.prompt_len
         self._event = asyncio.Event()
         self._done = False
+        self._ended: asyncio.Event | None = None  # made only for a caller of ended()
 
     @property
     def request_id(self) -> str:
@@ -41,6 +42,18 @@ class RequestStream:
     def notify(self) -> None:
         """Engine side: new tokens or a finish are available."""
         self._event.set()
+        if self._ended is not None and self.seq.finish_reason is not None:
+            self._ended.set()
+
+    async def ended(self) -> None:
+        """Return once the engine has ended the request (finished or applied an abort): its id
+        is no longer live then. The engine notifies a finished stream in the same step as it
+        forgets the id, so a waiter woken here finds the id free."""
+        if self.seq.finish_reason is not None:
+            return
+        if self._ended is None:
+            self._ended = asyncio.Event()
+        await self._ended.wait()
 
     def __aiter__(self) -> RequestStream:
         return self

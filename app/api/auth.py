@@ -1,0 +1,47 @@
+"""API-key authentication as pure-ASGI middleware, so it runs before anything reads the body:
+a client without a valid key gets 401 even when its body would not parse, and the generated
+docs (``/docs``, ``/redoc``, ``/openapi.json``) are behind the key too. Only ``/health`` and
+``/metrics`` stay open (probes and scrapers carry no key).
+
+The matched key's name is stored in the ASGI scope's state (``request.state.api_key_name``);
+it is None when no keys are configured. Names may be logged and used as metric labels; keys
+never are.
+"""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from app.api.errors import invalid_api_key, response_for
+from app.keys import ApiKeys
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+STATE_KEY = "api_key_name"
+
+
+class ApiKeyAuth:
+    """Answers 401 unless ``Authorization: Bearer <key>`` names one of ``keys``."""
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        name = self.keys.match(bearer_token(scope))
+        if name is None:  # the same answer an injected invalid_api_key gives (app/api/faults.py)
+            await response_for(invalid_api_key())(scope, receive, send)
+            return
+        scope.setdefault("state", {})[STATE_KEY] = name
+        await self.app(scope, receive, send)
+
+
+def bearer_token(scope: Scope) -> bytes:
+    """The token of an ``Authorization: Bearer`` header (scheme case-insensitive), else b""."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            return token.strip() if scheme.lower() == b"bearer" else b""
+    return b""
