@@ -97,7 +97,7 @@ async def test_stop_string_truncates_and_finishes_with_stop(make_client: ClientF
             in metrics
         )
         # Every finish reason is exported from the start: none of these ended as an abort.
-        assert 'finished_reason="abort",model_name="slotserve-mock"} 0.0' in metrics
+        assert 'finished_reason="abort",key="",model_name="slotserve-mock"} 0.0' in metrics
 
 
 def test_stop_string_matcher_never_releases_part_of_a_stop_string() -> None:

@@ -20,7 +20,7 @@ import pytest
 from conftest import ClientFactory, serving_of
 from server_process import ServerProcess, running_server
 
-from app.engine.stream import RequestStream
+from app.engine.types import Sequence
 from app.serving import GenerationParams, Serving
 
 WAIT = 10.0
@@ -337,13 +337,13 @@ async def test_the_key_name_is_the_requests_user_and_the_user_field_is_used_with
     seen: list[str | None] = []
 
     def spy(serving: Serving) -> None:
-        submit = serving.submit
+        prepare = serving.prepare  # every route builds its request here (app/api/faults.py)
 
-        def recording(params: GenerationParams, id_prefix: str = "gen") -> RequestStream:
+        def recording(params: GenerationParams, id_prefix: str = "gen") -> Sequence:
             seen.append(params.user)
-            return submit(params, id_prefix)
+            return prepare(params, id_prefix)
 
-        serving.submit = recording  # type: ignore[method-assign]
+        serving.prepare = recording  # type: ignore[method-assign]
 
     native = {"prompt": "x", "max_tokens": 1, "stream": False, "user": "mallory"}
     chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "user": "mallory"}

@@ -109,10 +109,13 @@ async def test_monitoring_labelled_counters_are_exported_at_zero_before_any_requ
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
-    expected = [
-        ("vllm:request_success_total", {"finished_reason": reason.value}) for reason in FinishReason
+    expected = [  # key="": no named API keys (a named key's series start with its first use)
+        ("vllm:request_success_total", {"finished_reason": reason.value, "key": ""})
+        for reason in FinishReason
     ]
-    expected += [("slotserve:requests_rejected_total", {"reason": r}) for r in REJECT_REASONS]
+    expected += [
+        ("slotserve:requests_rejected_total", {"reason": r, "key": ""}) for r in REJECT_REASONS
+    ]
     expected += [("slotserve:model_call_failures_total", {})]
     expected += [(f"{name}_count", {}) for name in (
         "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
