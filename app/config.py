@@ -141,8 +141,7 @@ class Settings(BaseSettings):
     )
     seed: int = Field(
         0,
-        description="seed of the mock model and of injected failures (a request's seed field "
-        "is accepted, not used)",
+        description="seed of the mock model, the step clock's jitter and injected failures",
     )
     api_key: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list,
