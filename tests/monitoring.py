@@ -13,8 +13,7 @@ import math
 import re
 import shutil
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any, TypeVar
 import httpx
 import yaml
 from deploy_files import DOCKER
-from server_process import free_port
+from server_process import free_port, wait_until
 
 T = TypeVar("T")
 PROMETHEUS = shutil.which("prometheus")
@@ -31,19 +30,6 @@ PROMTOOL = shutil.which("promtool")
 PROMETHEUS_CONFIG = DOCKER / "prometheus.yml"
 DASHBOARDS = DOCKER / "grafana" / "dashboards"
 SD_CONFIGS = re.compile(r"^\w+_sd_configs$")
-
-
-def wait_until(check: Callable[[], T | None], timeout: float, what: str) -> T:
-    """Poll ``check`` until it returns something other than None/False (bounded): the other
-    side is another process, so there is no event to await."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value is not None and value is not False:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.1)
 
 
 def config_for_test(targets: dict[str, list[str]], interval: str) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -92,3 +92,21 @@ def _wait_healthy(server: ServerProcess) -> None:
             pass
         time.sleep(0.05)  # waiting for another process to bind: there is no event to await
     raise TimeoutError("server did not become healthy")
+
+
+T = TypeVar("T")
+
+
+def wait_until(
+    check: Callable[[], T | None], timeout: float, what: str, interval: float = 0.02
+) -> T:
+    """Poll ``check`` until it returns something other than None/False (bounded): the other
+    side is another process, so there is no event to await."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value is not None and value is not False:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)

@@ -33,10 +33,9 @@ from monitoring import (
     finite_samples,
     load_dashboards,
     running_prometheus,
-    wait_until,
 )
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import ServerProcess, running_server
+from server_process import ServerProcess, running_server, wait_until
 
 from app.engine.types import FinishReason
 from app.metrics import REJECT_REASONS

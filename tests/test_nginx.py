@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -31,6 +31,7 @@ import httpx
 import pytest
 from deploy_files import REPO, load_renderer
 from prometheus_client.parser import text_string_to_metric_families
+from server_process import wait_until
 
 NGINX_CANDIDATES = ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/nginx/sbin/nginx")
 NGINX = shutil.which("nginx") or next(
@@ -49,18 +50,6 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
-
-
-def wait_until(check: Callable[[], T | None], timeout: float, what: str) -> T:
-    """Poll ``check`` until it returns something other than None/False (bounded)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value is not None and value is not False:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 def client(timeout: float = 10.0) -> httpx.Client:
