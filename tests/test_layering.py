@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 APP = Path(__file__).resolve().parents[1] / "app"
-ABOVE_THE_API = {"cli.py", "__main__.py"}  # the entry points build the app
+ABOVE_THE_API = {"cli.py", "__main__.py", "server.py"}  # entry points: build and run the app
 
 
 def imported_modules(path: Path) -> set[str]:
