@@ -89,6 +89,24 @@ def test_header_bomb_of_20_mb_is_cut_off_without_growing_memory(guarded: ServerP
     assert httpx.get(guarded.url + "/health").status_code == 200
 
 
+def test_pipelined_requests_past_the_bound_together_are_each_served(
+    guarded: ServerProcess,
+) -> None:
+    """Found in review: requests pipelined in one write whose sum passed the bound got a
+    false 431, and the first request's answer was lost."""
+    one = b"GET /health HTTP/1.1\r\nHost: t\r\nX-Pad: " + b"p" * 9_000 + b"\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", guarded.port)) as sock:
+        sock.settimeout(WAIT)
+        sock.sendall(one * 3)  # 27 KB in one write against a 16 KiB bound
+        received = b""
+        while received.count(b"HTTP/1.1 ") < 3:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            received += chunk
+    assert received.count(b"HTTP/1.1 200 ") == 3 and b" 431 " not in received
+
+
 def test_headers_just_under_the_bound_are_served(guarded: ServerProcess) -> None:
     response = httpx.get(guarded.url + "/health", headers={"x-pad": "c" * 15_000})
     assert response.status_code == 200

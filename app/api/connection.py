@@ -81,6 +81,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._awaiting_headers = True
         self._waiting_since = self.loop.time()
         self._header_bytes = 0
+        self._header_blocks = 0  # header blocks parsed on this connection
         self._deadline: asyncio.TimerHandle | None = None
         self._app = self.app
 
@@ -117,8 +118,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if len(data) <= room:
             super().data_received(data)
             return
+        ended = self._header_blocks
         super().data_received(data[:room])  # the part within the bound may end the headers
-        if self._awaiting_headers:
+        if self._header_blocks == ended:  # no header block ended within the bound (a
+            # pipelined request that did end one may leave the next one awaiting its headers)
             self._refuse(431, b"Request Header Fields Too Large",
                          f"request line and headers exceed {self.limits.max_header_bytes} bytes",
                          "headers_too_large")  # fmt: skip
@@ -133,6 +136,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._awaiting_headers = False
+        self._header_blocks += 1
         self._disarm_deadline()
         over = len(self.connections) > self.limits.max_connections
         path = httptools.parse_url(self.url).path if over else b""
