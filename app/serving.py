@@ -40,6 +40,10 @@ class ModelLoadingError(EngineError):
     """The real model is still loading (or failed to load): nothing can be served yet."""
 
 
+class ModelLoadFailedError(ModelLoadingError):
+    """The real model failed to load: nothing will be served (retrying does not help)."""
+
+
 class InvalidRequestError(ValueError):
     """A request the model cannot take (empty prompt, unknown token id, too long for the
     context): the client's mistake. ``param`` names the field, ``code`` the kind."""
@@ -188,7 +192,7 @@ class Serving:
 
     def _not_loaded(self) -> ModelLoadingError:
         if self.load_error is not None:
-            return ModelLoadingError(f"the model failed to load: {self.load_error}")
+            return ModelLoadFailedError(f"the model failed to load: {self.load_error}")
         return ModelLoadingError(f"the model {self.settings.model_name!r} is loading")
 
     def priority_ignored(self, priority: int) -> bool:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 import httpx
 import pytest
@@ -29,12 +30,14 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @contextmanager
-def loading_server(*flags: str) -> Iterator[tuple[ServerProcess, list[str]]]:
+def loading_server(
+    *flags: str, stderr: IO[str] | None = None
+) -> Iterator[tuple[ServerProcess, list[str]]]:
     """A server with ``flags``; yields it once ``/health`` has left the ``loading`` state, with
     every health status seen on the way (``ok``, ``loading``, ...)."""
     port = free_port()
     command = [sys.executable, "-m", "app", "serve", "--port", str(port), "--log-level", "warning"]
-    process = subprocess.Popen([*command, *flags], env=dict(os.environ))
+    process = subprocess.Popen([*command, *flags], env=dict(os.environ), stderr=stderr)
     server, seen = ServerProcess(process, port), list[str]()
     try:
         deadline = time.monotonic() + LOAD_TIMEOUT
@@ -84,17 +87,28 @@ def test_health_says_loading_until_the_model_is_ready_then_it_serves(tiny: Path)
 def test_a_model_that_fails_while_loading_leaves_health_at_load_failed(
     tiny: Path, tmp_path: Path
 ) -> None:
+    """Found in review: a corrupt checkpoint answered ``loading`` with Retry-After (clients
+    retried a permanent failure forever) and logged a traceback, not one line."""
     for file in tiny.iterdir():
         (tmp_path / file.name).write_bytes(file.read_bytes())
     (tmp_path / "model.safetensors").write_bytes(b"not safetensors")
-    with loading_server("--model", f"hf:{tmp_path}") as (server, seen):
+    log = tmp_path / "stderr.log"
+    with (
+        log.open("w") as stderr,
+        loading_server("--model", f"hf:{tmp_path}", stderr=stderr) as (
+            server,
+            seen,
+        ),
+    ):
         assert seen[-1] == "load_failed"
         health = httpx.get(server.url + "/health")
         assert health.status_code == 503
         refused = httpx.post(server.url + "/generate", json={"prompt": "x", "stream": False})
         assert refused.status_code == 503
-        assert refused.json()["error"]["code"] == "loading"
+        assert refused.json()["error"]["code"] == "load_failed"
+        assert "retry-after" not in refused.headers
         assert "failed to load" in refused.json()["error"]["message"]
+    assert "Traceback" not in log.read_text()
 
 
 def test_a_bad_model_path_exits_at_once_with_one_line(tmp_path: Path) -> None:

@@ -22,7 +22,12 @@ from app.engine.errors import (
     EngineError,
     QueueFullError,
 )
-from app.serving import InvalidRequestError, ModelLoadingError, context_length_error
+from app.serving import (
+    InvalidRequestError,
+    ModelLoadFailedError,
+    ModelLoadingError,
+    context_length_error,
+)
 
 log = logging.getLogger("slotserve.api")
 
@@ -184,6 +189,8 @@ def refusal(err: EngineError) -> APIError:
         return APIError(429, str(err), "overloaded_error", code="queue_full", headers=retry)
     if isinstance(err, DuplicateRequestError):
         return APIError(409, str(err), param="request_id", code="duplicate_request_id")
+    if isinstance(err, ModelLoadFailedError):  # permanent: no Retry-After
+        return APIError(503, str(err), "service_unavailable", code="load_failed")
     if isinstance(err, ModelLoadingError):
         return APIError(503, str(err), "service_unavailable", code="loading", headers=retry)
     code = "draining" if isinstance(err, EngineDrainingError) else "engine_dead"

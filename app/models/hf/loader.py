@@ -197,7 +197,10 @@ def _state_dict(folder: Path) -> dict[str, Any]:
 
     state: dict[str, Any] = {}
     for file in sorted(folder.glob("*.safetensors")):
-        state.update(load_file(file))
+        try:
+            state.update(load_file(file))
+        except Exception as exc:  # a truncated or corrupt file: one line, not a traceback
+            raise ModelLoadError(f"{file}: cannot read the weights ({exc})") from exc
     return state
 
 
