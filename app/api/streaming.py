@@ -19,6 +19,7 @@ from app.serving import Serving
 
 T = TypeVar("T")
 NO_SEND = -1  # the watchdog saw no send pending
+MIN_PROGRESS_BYTES = 1024  # a reader taking less than this per --send-timeout has stalled
 log = logging.getLogger("slotserve.api")
 
 
@@ -59,6 +60,8 @@ class EventStream(EventSourceResponse):
         self._sends = 0
         self._stalled = False
         self._watchdog: asyncio.TimerHandle | None = None
+        self._transport: Any = None  # the connection's transport, where the server exposes it
+        self._buffered: int | None = None  # its write buffer at the previous wake-up
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def watched_send(message: Message) -> None:
@@ -68,6 +71,7 @@ class EventStream(EventSourceResponse):
             self._sends += 1
 
         loop = asyncio.get_running_loop()
+        self._transport = scope.get("extensions", {}).get(EXTENSION, {}).get("transport")
         self._watchdog = loop.call_later(self.stall_timeout, self._watch, loop, NO_SEND)
         try:
             await super().__call__(scope, receive, watched_send)
@@ -86,14 +90,26 @@ class EventStream(EventSourceResponse):
     def _watch(self, loop: asyncio.AbstractEventLoop, pending_send: int) -> None:
         """Wake-up every ``stall_timeout``. ``pending_send`` is the number of the send that
         was pending at the previous wake-up (``NO_SEND`` if none was): if that same send is
-        still pending now, the reader has stalled for a whole period, so cut it off."""
+        still pending now and the reader took fewer than ``MIN_PROGRESS_BYTES`` of it meanwhile,
+        the reader has stalled for a whole period, so cut it off."""
         sender = self._sender
-        if sender is not None and pending_send == self._sends:
+        took_bytes = self._reader_took_bytes()  # (read at every wake-up: the next one's baseline)
+        if sender is not None and pending_send == self._sends and not took_bytes:
             self._stalled = True
             sender.cancel()
             return
         mark = self._sends if sender is not None else NO_SEND
         self._watchdog = loop.call_later(self.stall_timeout, self._watch, loop, mark)
+
+    def _reader_took_bytes(self) -> bool:
+        """Whether the reader took at least ``MIN_PROGRESS_BYTES`` since the previous wake-up
+        (the connection's write buffer drained by that much): a slow reader still reading a
+        large event is not a stalled one. Without a transport (in-process), no."""
+        if self._transport is None:
+            return False
+        previous = self._buffered
+        self._buffered = buffered = self._transport.get_write_buffer_size()
+        return previous is not None and previous - buffered >= MIN_PROGRESS_BYTES
 
 
 def _abort_connection(scope: Scope) -> None:
