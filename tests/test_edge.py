@@ -401,4 +401,3 @@ async def test_a_flood_past_the_connection_bound_evicts_slowloris_not_running_st
                 finally:
                     for sock in attackers:
                         sock.close()
-
