@@ -1,0 +1,126 @@
+"""``POST /v1/responses`` bodies (OpenAI's Responses API). Unknown fields are ignored so real
+clients work; unknown input item or content part types are refused (400 naming the item)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictStr, Tag
+
+from app.api.schemas import MaxTokens, Priority, SamplingFields, Text, UserName
+
+Id = Annotated[StrictStr, Field(min_length=1, max_length=256)]
+
+
+class TextPart(BaseModel):
+    """A text content part (``input_text`` in a request, ``output_text`` echoed back)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["input_text", "output_text", "text"]
+    text: Text
+
+
+class MessageItem(BaseModel):
+    """A message item; ``type`` may be left out (the SDK's "easy" input message)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Text | list[TextPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class FunctionCallItem(BaseModel):
+    """A function call the model made earlier (sent back by the client with its output)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function_call"]
+    call_id: Id
+    name: Id
+    arguments: Text
+
+
+class FunctionCallOutputItem(BaseModel):
+    """A function's result; ``call_id`` names a ``function_call`` item before it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function_call_output"]
+    call_id: Id
+    output: Text | list[TextPart]
+
+    def text(self) -> str:
+        if isinstance(self.output, str):
+            return self.output
+        return "".join(part.text for part in self.output)
+
+
+def _item_type(value: Any) -> str | None:
+    if isinstance(value, dict):
+        kind = value.get("type", "message")
+        return kind if isinstance(kind, str) else None
+    return getattr(value, "type", None)
+
+
+Item = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(
+        _item_type,
+        custom_error_type="unknown_item",
+        custom_error_message="unknown input item type: expected message, function_call or "
+        "function_call_output",
+    ),
+]
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: StrictStr = "text"
+
+
+class TextOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(SamplingFields):
+    """``POST /v1/responses``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Text | None = None
+    input: Text | Annotated[list[Item], Field(min_length=1)]
+    instructions: Text | None = None
+    max_output_tokens: MaxTokens | None = None
+    stream: StrictBool | None = False
+    store: StrictBool | None = True
+    background: StrictBool | None = False
+    previous_response_id: Id | None = None
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    tool_choice: object = None
+    parallel_tool_calls: StrictBool | None = None
+    text: TextOptions | None = None
+    metadata: dict[str, StrictStr] | None = None
+    user: UserName | None = None
+    priority: Priority = Field(0, description="vLLM's extension: lower runs first")
+
+    def items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem]:
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input)]
+        return list(self.input)
+
+    def format_type(self) -> str:
+        if self.text is None or self.text.format is None:
+            return "text"
+        return self.text.format.type
