@@ -5,6 +5,7 @@ conversation. The official clients run against a real server in test_protocol_cl
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import httpx
@@ -14,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sse import Event, parse_sse
 
+from app.api.adapters.anthropic_errors import AnthropicErrors
 from app.api.adapters.responses_store import ResponseStore, Stored
 
 USER = [{"role": "user", "content": "Tell me a story"}]
@@ -335,3 +337,23 @@ def test_the_store_is_bounded_in_count_and_age_and_keeps_running_ones() -> None:
     now[0] = 10.5
     assert store.get("b") is None and store.get("running") is not None
     assert len(ResponseStore(size=0, max_age=1.0)) == 0
+
+
+async def test_a_bug_on_messages_is_a_500_in_anthropics_shape() -> None:
+    async def failing_app(scope: Any, receive: Any, send: Any) -> None:
+        raise RuntimeError("a bug")
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/messages", "headers": []}
+    await AnthropicErrors(failing_app)(scope, None, send)  # type: ignore[arg-type]
+    assert sent[0]["status"] == 500
+    assert json.loads(sent[1]["body"]) == {
+        "type": "error",
+        "error": {"type": "api_error", "message": "internal server error"},
+    }
+    with pytest.raises(RuntimeError):  # elsewhere, Starlette's own handler answers it
+        await AnthropicErrors(failing_app)(scope | {"path": "/v1/chat/completions"}, None, send)  # type: ignore[arg-type]

@@ -7,15 +7,19 @@ middleware rewrites such an answer (status >= 400 with a JSON ``{"error": {...}}
 Anthropic's ``{"type": "error", "error": {"type", "message"}}`` with Anthropic's type for the
 status, and 503 (overloaded, draining) becomes Anthropic's 529 ``overloaded_error``. Headers
 such as ``Retry-After`` are kept. Streams (status 200) pass through untouched: their error
-event is already Anthropic's (``anthropic.MessageEvents``).
+event is already Anthropic's (``anthropic.MessageEvents``). An unexpected exception (a bug),
+which Starlette would answer outside every middleware in OpenAI's shape, is logged and
+answered here as Anthropic's 500 ``api_error`` when no response has started.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+log = logging.getLogger("slotserve.api")
 PREFIX = "/v1/messages"
 OVERLOADED = 529
 ERROR_TYPES = {
@@ -54,13 +58,16 @@ class AnthropicErrors:
             await self.app(scope, receive, send)
             return
         start: Message | None = None
+        started = False
         chunks: list[bytes] = []
 
         async def reshaping_send(message: Message) -> None:
-            nonlocal start
-            if message["type"] == "http.response.start" and _is_json_error(message):
-                start = message
-                return
+            nonlocal start, started
+            if message["type"] == "http.response.start":
+                started = True
+                if _is_json_error(message):
+                    start = message
+                    return
             if start is None or message["type"] != "http.response.body":
                 await send(message)
                 return
@@ -73,7 +80,20 @@ class AnthropicErrors:
             await send({"type": "http.response.start", "status": status, "headers": headers})
             await send({"type": "http.response.body", "body": body})
 
-        await self.app(scope, receive, reshaping_send)
+        try:
+            await self.app(scope, receive, reshaping_send)
+        except Exception:
+            if started:
+                raise
+            log.exception("unhandled error on %s %s", scope.get("method"), scope["path"])
+            await _send_internal_error(send)
+
+
+async def _send_internal_error(send: Send) -> None:
+    status, body = anthropic_error(500, b'{"error": {"message": "internal server error"}}')
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _is_json_error(start: Message) -> bool:
