@@ -151,3 +151,31 @@ def test_closing_a_stream_frees_its_slot_on_both_routes(one_slow_slot: ServerPro
             short = dict(body, stream=False, max_tokens=2, max_output_tokens=2)
             # 5000 steps of 10 ms would be 50 s: the slot must have been freed
             assert http.post(path, json=short, timeout=5).status_code == 200
+
+
+def test_hf_smollm2_answers_through_messages_responses_and_an_agent() -> None:
+    from hf_smollm2 import smollm2_cache_dir
+    from test_hf_serving import loading_server
+
+    flags = ["--model", "smollm2", "--model-cache-dir", str(smollm2_cache_dir())]
+    with loading_server(*flags, "--num-slots", "2", "--max-model-len", "512") as (server, seen):
+        assert seen[-1] == "ok"
+        name, question = "SmolLM2-135M-Instruct", "What is the capital of France?"
+        claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+        ask: list[MessageParam] = [{"role": "user", "content": question}]
+        # this SDK version has no temperature argument: greedy via the body
+        message = claude.messages.create(
+            model=name, max_tokens=60, messages=ask, extra_body={"temperature": 0}
+        )
+        assert message.stop_reason == "end_turn"
+        assert "Paris" in message.content[0].text  # type: ignore[union-attr]
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        response = client.responses.create(
+            model=name, input=question, max_output_tokens=60, temperature=0
+        )
+        assert response.status == "completed" and "Paris" in response.output_text
+        set_tracing_disabled(True)
+        async_client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused")
+        agent = Agent(name="geographer", model=OpenAIResponsesModel(name, async_client),
+                      model_settings=ModelSettings(temperature=0, max_tokens=60))  # fmt: skip
+        assert "Paris" in Runner.run_sync(agent, question).final_output
