@@ -357,3 +357,18 @@ async def test_a_bug_on_messages_is_a_500_in_anthropics_shape() -> None:
     }
     with pytest.raises(RuntimeError):  # elsewhere, Starlette's own handler answers it
         await AnthropicErrors(failing_app)(scope | {"path": "/v1/chat/completions"}, None, send)  # type: ignore[arg-type]
+
+
+async def test_priority_and_user_reach_the_policies_as_on_chat(make_client: ClientFactory) -> None:
+    async with make_client(num_slots=1, mock_step_ms=5, mock_stop_probability=0) as client:
+        message = {"max_tokens": 2, "messages": USER, "priority": 5}
+        r = await client.post("/v1/messages", json=message)
+        assert r.headers["x-slotserve-priority-ignored"] == "1"
+        response = {"input": "hi", "max_output_tokens": 2, "priority": 5}
+        r = await client.post("/v1/responses", json=response)
+        assert r.headers["x-slotserve-priority-ignored"] == "1"
+        body = {"input": "hi", "max_output_tokens": 5000, "background": True, "user": "bob"}
+        queued = (await client.post("/v1/responses", json=body)).json()
+        live = serving_of(client).engine.core.live[queued["id"]]
+        assert live.seq.user == "bob"
+        await client.post(f"/v1/responses/{queued['id']}/cancel")

@@ -91,7 +91,7 @@ class CountTokensRequest(BaseModel):
         """The first field set to something this server cannot honour, or None."""
         if self.tools not in (None, []):
             return "tools"
-        if self.tool_choice is not None and self.tool_choice != {"type": "auto"}:
+        if self.tool_choice not in (None, {"type": "auto"}, {"type": "none"}):
             return "tool_choice"
         return None
 
