@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+from app.api.structured import ResponseFormat, StructuredOutputs
 from app.models.protocol import SamplingParams
 
 
@@ -81,7 +82,6 @@ NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
     "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -113,7 +113,9 @@ class OpenAIParams(SamplingFields):
     tool_choice: object = None
     functions: object = None
     function_call: object = None
-    response_format: object = None
+    # structured outputs (app/api/structured.py): OpenAI's and vLLM's request fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def unsupported(self) -> str | None:
         """The first field set to a value this server cannot honour, or None."""

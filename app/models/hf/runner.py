@@ -13,6 +13,7 @@ from app.models.hf.attention import StepLayout
 from app.models.hf.kv_cache import KVCache
 from app.models.hf.llama import LlamaForward
 from app.models.hf.sampling import Sampler
+from app.models.hf.token_mask import apply_token_masks
 from app.models.protocol import PrefillChunk, SamplingParams, StepBatch
 
 
@@ -26,6 +27,7 @@ class HFModel:
     engine runs ``step`` and ``release`` in its worker thread."""
 
     blocking = True
+    applies_token_masks = True  # samples under StepBatch.token_masks (structured outputs)
 
     def __init__(self, forward: LlamaForward, sampler: Sampler) -> None:
         self._forward = forward
@@ -54,6 +56,8 @@ class HFModel:
             return []
         logits, params, positions = self._run(batch)
         with torch.inference_mode():
+            if batch.token_masks:
+                apply_token_masks(logits, batch.token_masks)
             return self._sampler.sample(logits, params, positions)
 
     def step_logits(self, batch: StepBatch) -> torch.Tensor:
