@@ -16,6 +16,7 @@ from app.api.errors import APIError, error_body, model_failed_message, model_not
 from app.api.native import ERROR_RESPONSES, flag_ignored_priority
 from app.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIParams
 from app.api.streaming import sse_event, sse_response, until_disconnected
+from app.api.structured import requested_constraint
 from app.engine.stop_strings import StopStringMatcher
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason
@@ -103,14 +104,17 @@ def _start(
     unsupported = body.unsupported()
     if unsupported is not None:
         raise APIError(400, f"{unsupported} is not supported by this server (the mock has no "
-                       "log-probabilities, tools or structured output); leave it unset",
+                       "log-probabilities or tools); leave it unset",
                        param=unsupported, code="unsupported_parameter")  # fmt: skip
     stops = body.stop_strings()
+    constraint, constraint_param = requested_constraint(
+        body.response_format, body.structured_outputs
+    )
     params = GenerationParams(
         prompt=ids, max_tokens=max_tokens, stop_token_ids=body.stop_token_ids,
         stop_strings=stops, ignore_eos=body.ignore_eos, priority=body.priority,
         sampling=body.sampling(), user=key_name if key_name is not None else body.user,
-        key_name=key_name,
+        key_name=key_name, constraint=constraint, constraint_param=constraint_param,
     )  # fmt: skip
     stream = faults.submit(
         request, serving, params, streaming=bool(body.stream), id_prefix=prefix, model=body.model

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+from app.api.structured import ResponseFormat, StructuredOutputs
 from app.models.protocol import SamplingParams
 
 
@@ -41,6 +42,7 @@ class SamplingFields(BaseModel):
     temperature: Annotated[float, Field(ge=0, le=100)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[StrictInt, Field(ge=-1)] | None = Field(None, description="-1 or 0: off")
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = Field(None, description="0: off")
     seed: StrictInt | None = Field(None, description="same seed, same tokens, whatever the batch")
 
     def sampling(self) -> SamplingParams:
@@ -49,6 +51,7 @@ class SamplingFields(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=max(0, self.top_k or 0),
             seed=self.seed,
+            min_p=0.0 if self.min_p is None else self.min_p,
         )
 
 
@@ -81,7 +84,6 @@ NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
     "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -113,7 +115,9 @@ class OpenAIParams(SamplingFields):
     tool_choice: object = None
     functions: object = None
     function_call: object = None
-    response_format: object = None
+    # structured outputs (app/api/structured.py): OpenAI's and vLLM's request fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def unsupported(self) -> str | None:
         """The first field set to a value this server cannot honour, or None."""

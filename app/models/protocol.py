@@ -32,8 +32,9 @@ class SamplingParams:
     """How one request picks its next token. Stateless and cached mocks ignore it.
 
     ``temperature`` None means the model's default (the checkpoint's generation config, else
-    1.0); 0 means greedy (argmax). ``top_k`` 0 and ``top_p`` 1.0 are off. A request with a
-    ``seed`` draws its tokens from its own generator seeded once, so it gets the same tokens
+    1.0); 0 means greedy (argmax). ``top_k`` 0, ``top_p`` 1.0 and ``min_p`` 0 are off
+    (``min_p``: drop the tokens less likely than ``min_p`` times the most likely one). A request
+    with a ``seed`` draws each token from (seed, position) alone, so it gets the same tokens
     whatever else shares its batch.
     """
 
@@ -41,6 +42,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0
 
     @property
     def is_default(self) -> bool:
@@ -96,6 +98,11 @@ class StepBatch:
 
     The model returns ``len(decode_slots) + number of prefills with sample=True`` token ids:
     first one per decode slot, in order, then one per sampling prefill chunk, in order.
+
+    ``token_masks`` (only for a model with ``applies_token_masks = True``; empty when no row is
+    constrained) has one entry per output row, in that order: None, or the bitmask of the tokens
+    the row may sample (bit t = byte t // 8, bit t % 8; bits past the vocabulary are clear).
+    The model must sample each masked row among its allowed tokens.
     """
 
     decode_slots: Seq[int]
@@ -103,6 +110,7 @@ class StepBatch:
     decode_sampling: Seq[SamplingParams]
     decode_request_ids: Seq[str]
     prefills: Seq[PrefillChunk]
+    token_masks: Seq[bytes | None] = ()
 
     @property
     def num_outputs(self) -> int:
@@ -143,6 +151,13 @@ def supports_prefix_caching(model: object) -> bool:
     if isinstance(model, CachedModel):
         return getattr(model, "supports_prefix_caching", False) is True
     return isinstance(model, StatelessModel)
+
+
+def applies_token_masks(model: object) -> bool:
+    """Whether ``model`` samples under ``StepBatch.token_masks`` (an optional class attribute
+    ``applies_token_masks = True``). For any other model the engine's runner makes the model's
+    token obey the request's grammar (``TokenConstraint.choose``)."""
+    return getattr(model, "applies_token_masks", False) is True
 
 
 Model = StatelessModel | CachedModel

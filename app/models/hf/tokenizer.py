@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +32,14 @@ class HFTokenizer:
     @property
     def stop_token_ids(self) -> frozenset[int]:
         return self._stop
+
+    def backend_json(self) -> str:
+        """The ``tokenizers`` JSON of this tokenizer, without padding or truncation (the grammar
+        engine builds its vocabulary from it)."""
+        backend = copy.copy(self._tok.backend_tokenizer)
+        backend.no_padding()
+        backend.no_truncation()
+        return str(backend.to_str())
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text))
