@@ -372,3 +372,33 @@ async def test_priority_and_user_reach_the_policies_as_on_chat(make_client: Clie
         live = serving_of(client).engine.core.live[queued["id"]]
         assert live.seq.user == "bob"
         await client.post(f"/v1/responses/{queued['id']}/cancel")
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+async def test_text_format_json_schema_constrains_a_response(make_client: ClientFactory) -> None:
+    fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
+    body = {"input": "A person", "max_output_tokens": 300, "text": {"format": fmt}}
+    async with make_client() as client:
+        whole = (await client.post("/v1/responses", json=body)).json()
+        assert whole["status"] == "completed" and whole["text"]["format"] == fmt
+        person = json.loads(whole["output"][0]["content"][0]["text"])
+        assert set(person) == {"name", "age"} and isinstance(person["age"], int)
+        events = response_events(await client.post("/v1/responses", json=body | {"stream": True}))
+        deltas = [e.data["delta"] for e in events if e.event == "response.output_text.delta"]
+        assert json.loads("".join(deltas)) == person
+        as_object = body | {"text": {"format": {"type": "json_object"}}}
+        r = (await client.post("/v1/responses", json=as_object)).json()
+        assert isinstance(json.loads(r["output"][0]["content"][0]["text"]), dict)
+        bad = body | {"text": {"format": {"type": "json_schema", "name": "p",
+                                          "schema": {"type": "nonsense"}}}}  # fmt: skip
+        r = await client.post("/v1/responses", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.schema"
+        r = await client.post("/v1/responses", json=body | {"text": {"format": {"type": "yaml"}}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.type"

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import anthropic
 import httpx
 import openai
+import pydantic
 import pytest
 from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
 from anthropic.types import MessageParam
@@ -60,6 +61,24 @@ def test_openai_responses_create_stream_retrieve_and_chain(server: ServerProcess
     with pytest.raises(openai.BadRequestError) as bad:
         client.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}])
     assert "web_search" in str(bad.value)
+
+
+class Person(pydantic.BaseModel):
+    name: str
+    age: int
+
+
+def test_openai_responses_parse_a_json_schema_text_format(server: ServerProcess) -> None:
+    client = openai_client(server)
+    parsed = client.responses.parse(
+        model=MODEL, input="A person", text_format=Person, max_output_tokens=300
+    )
+    assert parsed.status == "completed" and isinstance(parsed.output_parsed, Person)
+    with client.responses.stream(
+        model=MODEL, input="A person", text_format=Person, max_output_tokens=300
+    ) as stream:
+        final = stream.get_final_response()
+    assert isinstance(final.output_parsed, Person)
 
 
 def test_openai_cancel_of_a_background_response(one_slow_slot: ServerProcess) -> None:

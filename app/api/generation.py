@@ -3,7 +3,7 @@
 A protocol adapter (``/v1/messages``, ``/v1/responses``, ...) only translates:
 
 1. its body into an ``InternalRequest`` (prompt ids, ``max_tokens``, sampling, stop rules,
-   priority, user, the model the body named);
+   the output constraint, priority, user, the model the body named);
 2. ``start`` submits it ONCE, through failure injection (``faults.submit``), so injected
    failures, the engine's request counters (``vllm:request_success_total``) and its log line
    are the same as on chat completions; it returns a ``Run``;
@@ -36,6 +36,7 @@ from app.engine.stream import RequestStream
 from app.engine.types import FinishReason
 from app.models.protocol import DEFAULT_SAMPLING, SamplingParams
 from app.serving import GenerationParams, Serving
+from app.structured.constraint import Constraint
 
 
 @dataclass(slots=True)
@@ -53,6 +54,8 @@ class InternalRequest:
     model: str | None = None  # the model the body named (None: the served one)
     stream: bool = False
     id_prefix: str = "gen"
+    constraint: Constraint | None = None  # what the output must match (structured outputs)
+    constraint_param: str = "response_format"  # the field that asked for it (named in a 400)
 
 
 @dataclass(slots=True)
@@ -111,6 +114,7 @@ def start(request: Request, serving: Serving, internal: InternalRequest, key: st
         stop_token_ids=internal.stop_token_ids, stop_strings=internal.stop_strings,
         ignore_eos=internal.ignore_eos, priority=internal.priority, sampling=internal.sampling,
         user=key if key is not None else internal.user, key_name=key,
+        constraint=internal.constraint, constraint_param=internal.constraint_param,
     )  # fmt: skip
     stream = faults.submit(
         request, serving, params, streaming=internal.stream, id_prefix=internal.id_prefix,

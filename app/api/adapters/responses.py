@@ -39,6 +39,7 @@ from app.api.errors import APIError
 from app.api.native import ERROR_RESPONSES
 from app.api.streaming import sse_event
 from app.serving import Serving
+from app.structured.constraint import Constraint
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 NEUTRAL_TOOL_CHOICE = (None, "auto", "none")
@@ -62,7 +63,8 @@ async def create(
     internal = generation.InternalRequest(
         prompt=serving.tokenizer.chat_prompt(system + turns), max_tokens=body.max_output_tokens,
         sampling=body.sampling(), priority=body.priority, user=body.user, model=body.model,
-        stream=bool(body.stream), id_prefix="resp",
+        stream=bool(body.stream), id_prefix="resp", constraint=text_constraint(body),
+        constraint_param="text.format.schema",
     )  # fmt: skip
     run = generation.start(request, serving, internal, key_name)
     shape = ResponseShape(run, body, serving.settings.model_name)
@@ -115,9 +117,8 @@ async def cancel(response_id: str, request: Request, serving: ServingDep) -> dic
 
 
 def _check_options(body: ResponsesRequest, store: ResponseStore) -> None:
-    """400 for what this server does not do: built-in tools (named), function tools and
-    ``text.format`` (until the grammar path is wired in), a background response that is not
-    stored or is streamed."""
+    """400 for what this server does not do: built-in tools (named), function tools (until
+    they are wired in), a background response that is not stored or is streamed."""
     for index, tool in enumerate(body.tools):
         kind = tool.get("type")
         if kind != "function":
@@ -128,15 +129,29 @@ def _check_options(body: ResponsesRequest, store: ResponseStore) -> None:
         raise _unsupported("tools", "function tools are not supported by this server yet")
     if body.tool_choice not in NEUTRAL_TOOL_CHOICE:
         raise _unsupported("tool_choice", "tool_choice needs tools")
-    if body.format_type() != "text":
-        raise _unsupported("text.format.type", f"text.format {body.format_type()!r} is not "
-                           "supported by this server yet; leave it unset")  # fmt: skip
     if body.background and (not body.store or not store.enabled):
         raise _unsupported("background", "background responses must be stored (store: true, "
                            "and the server's --responses-store-size above 0)")  # fmt: skip
     if body.background and body.stream:
         raise _unsupported("stream", "a background response cannot be streamed here; poll it "
                            "with GET /v1/responses/{id}")  # fmt: skip
+
+
+def text_constraint(body: ResponsesRequest) -> Constraint | None:
+    """``text.format`` as the output's constraint (the same grammar path as chat's
+    ``response_format``): none for ``text``; 400 for a format this server does not know."""
+    fmt = body.text.format if body.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return Constraint.json_object()
+    if fmt.type != "json_schema":
+        raise _unsupported("text.format.type", f"text.format type {fmt.type!r} is not "
+                           "supported: text, json_object or json_schema")  # fmt: skip
+    if fmt.schema_ is None:
+        raise APIError(400, "text.format.schema is required with type json_schema",
+                       param="text.format.schema", code="missing")  # fmt: skip
+    return Constraint.json_schema(fmt.schema_)
 
 
 def _unsupported(param: str, message: str) -> APIError:
@@ -232,7 +247,7 @@ class ResponseShape:
         usage: dict[str, Any] | None = None, **extra: Any,
     ) -> dict[str, Any]:  # fmt: skip
         body = self.body
-        fmt = body.text.format.model_dump() if body.text and body.text.format else None
+        fmt = body.text.format.echo() if body.text and body.text.format else None
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
             "background": bool(body.background), "error": None, "incomplete_details": None,

@@ -83,9 +83,19 @@ Item = Annotated[
 
 
 class TextFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """``text.format``: ``text``, ``json_object`` or ``json_schema`` (with ``name``,
+    ``schema`` and ``strict``; the schema is always enforced, token by token)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
 
     type: StrictStr = "text"
+    name: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+    def echo(self) -> dict[str, Any]:
+        """As the response object reports it."""
+        return self.model_dump(by_alias=True, exclude_none=True)
 
 
 class TextOptions(BaseModel):
@@ -119,8 +129,3 @@ class ResponsesRequest(SamplingFields):
         if isinstance(self.input, str):
             return [MessageItem(role="user", content=self.input)]
         return list(self.input)
-
-    def format_type(self) -> str:
-        if self.text is None or self.text.format is None:
-            return "text"
-        return self.text.format.type
