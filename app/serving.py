@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import random
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -170,6 +171,7 @@ class Serving:
         self.priority_limits = settings.priority_limits()
         self.api_keys = settings.api_keys()
         self.load_error: str | None = None
+        self._tool_draws = random.Random(settings.seed)  # --mock-tool-call-probability
         self._loading: asyncio.Task[None] | None = None
         self._engine: Engine | None = None
         self._tokenizer: Tokenizer | None = None
@@ -212,6 +214,12 @@ class Serving:
         if self.load_error is not None:
             return ModelLoadFailedError(f"the model failed to load: {self.load_error}")
         return ModelLoadingError(f"the model {self.settings.model_name!r} is loading")
+
+    def mock_calls_tool(self) -> bool:
+        """Whether a mock decides to call a tool for a request whose ``tool_choice`` is ``auto``
+        (with ``--mock-tool-call-probability``); a real model decides by itself (False)."""
+        p = self.settings.mock_tool_call_probability
+        return not self._real and p > 0 and self._tool_draws.random() < p
 
     def priority_ignored(self, priority: int) -> bool:
         """Whether a request's ``priority`` has no effect here (a non-default priority under a

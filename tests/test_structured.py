@@ -64,10 +64,13 @@ def drive(
     *,
     kv_cache_tokens: int | None = None,
     preempt: random.Random | None = None,
+    constraints: dict[str, Constraint] | None = None,
 ) -> Scheduler:
-    """Runs ``seqs`` to completion (preempting a random running request between steps when
-    ``preempt`` is given) and returns the scheduler."""
+    """Runs ``seqs`` to completion (when ``preempt`` is given, preempting a random running
+    request between steps, and one of the step's requests during the model call, whose token is
+    then dropped) and returns the scheduler."""
     config = SchedulerConfig(num_slots=num_slots, kv_cache_tokens=kv_cache_tokens, block_size=4)
+    constraints = constraints or {}
     scheduler = Scheduler(config)
     runner = make_runner(model, num_slots)
     now = time.monotonic()
@@ -84,7 +87,18 @@ def drive(
         out = scheduler.schedule(now)
         if out.empty:
             continue
-        scheduler.update(out, runner.execute(out), now)
+        result = runner.execute(out)
+        if preempt is not None and preempt.random() < 0.2:  # during the call: its token drops
+            running = [s for s in out.scheduled() if s.status is RequestStatus.RUNNING]
+            if running:
+                scheduler.preempt(preempt.choice(running), now)
+        scheduler.update(out, result, now)
+        if preempt is not None:
+            for seq in seqs:  # every live grammar stands after exactly its accepted tokens
+                if seq.constraint is not None and seq.request_id in constraints:
+                    fresh = COMPILER.matcher(constraints[seq.request_id])
+                    assert all(fresh.accept(t) for t in seq.generated)
+                    assert seq.constraint.mask() == fresh.mask(), seq.request_id
     runner.close()
     return scheduler
 
@@ -187,7 +201,10 @@ def test_a_constrained_request_under_preemption_never_gets_a_forbidden_token(
             seqs.append(Sequence(f"free{i}", [65 + i, 66], 12, STOPS))
         else:
             seqs.append(constrained(f"c{i}", bytes([65 + i, 66]), kind, 60))
-    scheduler = drive(model, seqs, num_slots=3, kv_cache_tokens=96, preempt=random.Random(seed))
+    constraints = {f"c{i}": kind for i in range(6) if (kind := kinds[i % 3]) is not None}
+    scheduler = drive(
+        model, seqs, 3, kv_cache_tokens=96, preempt=random.Random(seed), constraints=constraints
+    )
     assert sum(s.num_preemptions for s in seqs) > 0
     for i, seq in enumerate(seqs):
         kind = kinds[i % 3]

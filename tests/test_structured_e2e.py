@@ -54,19 +54,24 @@ def test_structured_outputs_on_completions_and_chat(mock_server: ServerProcess) 
     client = openai.OpenAI(base_url=mock_server.url + "/v1", api_key="unused", max_retries=0)
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     completion = client.completions.create(
-        model="slotserve-mock", prompt="hello", max_tokens=100,
+        model="slotserve-mock",
+        prompt="hello",
+        max_tokens=100,
         extra_body={"structured_outputs": {"json": schema}},
-    )  # fmt: skip
+    )
     assert isinstance(json.loads(completion.choices[0].text)["n"], int)
     chat = client.chat.completions.create(
-        model="slotserve-mock", messages=[{"role": "user", "content": "sentiment?"}],
+        model="slotserve-mock",
+        messages=[{"role": "user", "content": "sentiment?"}],
         extra_body={"structured_outputs": {"choice": ["positive", "negative"]}},
-    )  # fmt: skip
+    )
     assert chat.choices[0].message.content in ("positive", "negative")
     stream = client.chat.completions.create(
-        model="slotserve-mock", messages=[{"role": "user", "content": "hi"}], stream=True,
+        model="slotserve-mock",
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
         response_format={"type": "json_object"},
-    )  # fmt: skip
+    )
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert isinstance(json.loads(text), dict)
 
@@ -104,9 +109,11 @@ def test_a_constraint_that_cannot_compile_is_a_400_naming_its_field(
 def test_a_grammar_cut_by_max_tokens_ends_with_length(mock_server: ServerProcess) -> None:
     client = openai.OpenAI(base_url=mock_server.url + "/v1", api_key="unused", max_retries=0)
     chat = client.chat.completions.create(
-        model="slotserve-mock", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+        model="slotserve-mock",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
         response_format={"type": "json_object"},
-    )  # fmt: skip
+    )
     assert chat.choices[0].finish_reason == "length"
     assert chat.usage is not None and chat.usage.completion_tokens == 5
 

@@ -207,7 +207,7 @@ def obeyed(tokens: list[int], rows: list[tuple[int, Sequence]]) -> list[int]:
     tokens = list(tokens)
     for index, seq in rows:
         if seq.constraint is not None:
-            tokens[index] = seq.constraint.choose(tokens[index], seq.tokens, seq.prompt_len)
+            tokens[index] = seq.constraint.choose(tokens[index])
     return tokens
 
 

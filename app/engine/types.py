@@ -66,10 +66,10 @@ class TokenConstraint(Protocol):
         """The allowed next tokens: bit t (byte t // 8, bit t % 8) set for an allowed token t."""
         ...
 
-    def choose(self, preferred: int, tokens: list[int], prompt_len: int) -> int:
+    def choose(self, preferred: int) -> int:
         """For a model that cannot apply a mask: ``preferred`` if allowed, else an allowed token
-        (deterministic, steering toward completing the structure). ``tokens``: the request's
-        prompt + generated tokens."""
+        (deterministic, steering toward completing the structure). The token it returns is
+        still to be ``accept``-ed (or, if it is dropped, forgotten by the next call)."""
         ...
 
     def accept(self, token: int) -> bool:

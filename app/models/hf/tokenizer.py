@@ -64,6 +64,22 @@ class HFTokenizer:
         lines = [f"{role}: {content}" for role, content in messages]
         return self.encode("\n".join([*lines, "assistant: "]))
 
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the checkpoint's chat template renders tools (it reads a ``tools`` variable)."""
+        template = getattr(self._tok, "chat_template", None)
+        return isinstance(template, str) and "tools" in template
+
+    def chat_prompt_with_tools(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+    ) -> list[int]:
+        """The chat template applied to OpenAI-shaped messages (``tool_calls`` with arguments as
+        objects, ``tool`` messages) and ``tools``, with the assistant's turn opened."""
+        text = self._tok.apply_chat_template(
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=True
+        )
+        return list(self._tok.encode(str(text), add_special_tokens=False))
+
 
 class HFStreamDecoder:
     """Incremental detokenization with a prefix and a read offset (as vLLM's detokenizer does):
