@@ -137,12 +137,15 @@ async def test_a_tool_round_trip_in_history_reaches_the_prompt(make_client: Clie
         r = await client.post("/v1/messages/count_tokens", json={"messages": history})
         short = await client.post("/v1/messages/count_tokens", json={"messages": USER})
         assert r.json()["input_tokens"] > short.json()["input_tokens"]
-        prompt = serving_of(client).tokenizer.chat_prompt(
-            [("user", "Tell me a story"),
-             ("assistant", 'Let me look.<tool_call>{"name":"weather","arguments":{"city":"Paris"}}'
-              "</tool_call>"), ("tool", "sun")]
-        )  # fmt: skip
-        assert r.json()["input_tokens"] == len(prompt)
+        call = {
+            "id": "t1",
+            "type": "function",
+            "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
+        }
+        chat = [*USER, {"role": "assistant", "content": "Let me look.", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "t1", "content": "sun"}]  # fmt: skip
+        reply = await client.post("/v1/chat/completions", json={"messages": chat, "max_tokens": 1})
+        assert r.json()["input_tokens"] == reply.json()["usage"]["prompt_tokens"]
 
 
 @pytest.mark.parametrize(

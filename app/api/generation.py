@@ -31,12 +31,15 @@ from app.api import faults
 from app.api.errors import model_failed_message, model_not_found
 from app.api.native import flag_ignored_priority
 from app.api.streaming import sse_response, until_disconnected
+from app.api.tool_reader import CallReader, CallStart, Piece, TextPiece, read_calls
+from app.api.tools import ToolPlan
 from app.engine.stop_strings import StopStringMatcher
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason
 from app.models.protocol import DEFAULT_SAMPLING, SamplingParams
 from app.serving import GenerationParams, Serving
 from app.structured.constraint import Constraint
+from app.structured.tools import ToolCall
 
 
 @dataclass(slots=True)
@@ -56,18 +59,21 @@ class InternalRequest:
     id_prefix: str = "gen"
     constraint: Constraint | None = None  # what the output must match (structured outputs)
     constraint_param: str = "response_format"  # the field that asked for it (named in a 400)
+    tools: ToolPlan | None = None  # the tools offered and the choice (calls read from the reply)
 
 
 @dataclass(slots=True)
 class Outcome:
-    """How a request ended. ``finish_reason``: ``stop`` (end of sequence or a stop string),
-    ``length`` or ``abort``; ``stop_sequence``: the stop string that ended it, if one did."""
+    """How a request ended. ``text``: the reply's content (without its tool calls);
+    ``finish_reason``: ``stop`` (end of sequence or a stop string), ``length`` or ``abort``;
+    ``stop_sequence``: the stop string that ended it, if one did; ``calls``: the tool calls."""
 
     text: str
     finish_reason: str
     stop_sequence: str | None
     prompt_tokens: int
     completion_tokens: int
+    calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -77,6 +83,7 @@ class Run:
     id: str
     stream: RequestStream
     stops: list[str]
+    plan: ToolPlan | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     matcher: StopStringMatcher = field(init=False)
     raw: list[str] = field(default_factory=list)  # decoded text before stop strings are cut
@@ -92,9 +99,11 @@ class Run:
         raw = "".join(self.raw)
         return next((s for s in self.stops if raw.startswith(s, self.emitted)), None)
 
-    def outcome(self, text: str, reason: str) -> Outcome:
+    def outcome(self, text: str, reason: str, calls: list[ToolCall] | None = None) -> Outcome:
         seq = self.stream.seq
-        return Outcome(text, reason, self.stop_sequence(), seq.prompt_len, seq.num_generated)
+        return Outcome(
+            text, reason, self.stop_sequence(), seq.prompt_len, seq.num_generated, calls or []
+        )
 
 
 class ModelFailed(Exception):
@@ -120,7 +129,7 @@ def start(request: Request, serving: Serving, internal: InternalRequest, key: st
         request, serving, params, streaming=internal.stream, id_prefix=internal.id_prefix,
         model=internal.model,
     )  # fmt: skip
-    return Run(stream.request_id, stream, internal.stop_strings)
+    return Run(stream.request_id, stream, internal.stop_strings, internal.tools)
 
 
 async def texts(run: Run, serving: Serving) -> AsyncIterator[tuple[str, str | None]]:
@@ -154,13 +163,16 @@ async def texts(run: Run, serving: Serving) -> AsyncIterator[tuple[str, str | No
 
 
 async def collect(run: Run, serving: Serving) -> Outcome:
-    """The whole output (``ModelFailed`` if a model call failed)."""
+    """The whole output, its tool calls read (``ModelFailed`` if a model call failed)."""
     parts: list[str] = []
     reason = FinishReason.ABORT.value
     async for text, end in texts(run, serving):
         parts.append(text)
         reason = end or reason
-    return run.outcome("".join(parts), reason)
+    if run.plan is None:
+        return run.outcome("".join(parts), reason)
+    content, calls = read_calls("".join(parts), reason, run.plan)
+    return run.outcome(content, reason, calls)
 
 
 async def await_outcome(request: Request, run: Run, serving: Serving) -> Outcome:
@@ -179,6 +191,14 @@ class EventShaper(Protocol):
         """One non-empty text delta."""
         ...
 
+    def call_start(self, index: int, call: ToolCall) -> Iterable[bytes]:
+        """A tool call begins (its id and name); its arguments follow."""
+        ...
+
+    def call_arguments(self, index: int, delta: str) -> Iterable[bytes]:
+        """A piece of a tool call's arguments (JSON text)."""
+        ...
+
     def closing(self, outcome: Outcome) -> Iterable[bytes]:
         """After the last text: the protocol's end events."""
         ...
@@ -189,24 +209,41 @@ class EventShaper(Protocol):
 
 
 async def events(run: Run, serving: Serving, shaper: EventShaper) -> AsyncIterator[bytes]:
-    """The SSE bytes of ``run`` laid out by ``shaper``."""
+    """The SSE bytes of ``run`` laid out by ``shaper`` (tool calls read as they stream)."""
     for event in shaper.opening():
         yield event
+    reader = CallReader(run.plan) if run.plan is not None else None
     parts: list[str] = []
     reason = FinishReason.ABORT.value
     try:
         async for text, end in texts(run, serving):
-            if text:
-                parts.append(text)
-                for event in shaper.text(text):
-                    yield event
             reason = end or reason
+            if reader is None:
+                parts.append(text)
+                pieces: list[Piece] = [TextPiece(text)] if text else []
+            else:
+                pieces = reader.feed(text, end)
+            for piece in pieces:
+                for event in _shaped(shaper, piece):
+                    yield event
     except ModelFailed as err:
         for event in shaper.failure(str(err)):
             yield event
         return
-    for event in shaper.closing(run.outcome("".join(parts), reason)):
+    if reader is None:
+        outcome = run.outcome("".join(parts), reason)
+    else:
+        outcome = run.outcome(reader.content, reason, reader.calls)
+    for event in shaper.closing(outcome):
         yield event
+
+
+def _shaped(shaper: EventShaper, piece: Piece) -> Iterable[bytes]:
+    if isinstance(piece, TextPiece):
+        return shaper.text(piece.text)
+    if isinstance(piece, CallStart):
+        return shaper.call_start(piece.index, piece.call)
+    return shaper.call_arguments(piece.index, piece.text)
 
 
 def stream_response(run: Run, serving: Serving, shaper: EventShaper) -> Response:

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from app.api.schemas import MaxTokens, NonEmptyText, Priority, Text, UserName
+from app.api.tools import FunctionName
 from app.models.protocol import SamplingParams
 
 
@@ -67,6 +68,26 @@ class Metadata(BaseModel):
     user_id: UserName | None = None
 
 
+class ToolDef(BaseModel):
+    """A client tool (``input_schema``: its input's JSON schema). Anthropic's server tools
+    (a ``type`` such as ``web_search_20250305``) are refused by the adapter, named."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: StrictStr | None = None
+    name: FunctionName
+    description: StrictStr | None = None
+    input_schema: dict[str, Any] | None = None
+
+
+class ToolChoiceDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: StrictStr | None = None  # with "tool"
+    disable_parallel_tool_use: StrictBool | None = None
+
+
 class CountTokensRequest(BaseModel):
     """``POST /v1/messages/count_tokens``: the prompt part of a messages request."""
 
@@ -75,10 +96,8 @@ class CountTokensRequest(BaseModel):
     model: Text | None = None
     messages: Annotated[list[Message], Field(min_length=1)]
     system: Text | list[TextBlock] | None = None
-    # tools change the prompt; until this server renders them, they are refused (see
-    # ``unsupported``) rather than counted wrong
-    tools: object = None
-    tool_choice: object = None
+    tools: Annotated[list[ToolDef], Field(max_length=128)] = Field(default_factory=list)
+    tool_choice: ToolChoiceDef | None = None
 
     def system_text(self) -> str:
         if self.system is None:
@@ -86,14 +105,6 @@ class CountTokensRequest(BaseModel):
         if isinstance(self.system, str):
             return self.system
         return "".join(block.text for block in self.system)
-
-    def unsupported(self) -> str | None:
-        """The first field set to something this server cannot honour, or None."""
-        if self.tools not in (None, []):
-            return "tools"
-        if self.tool_choice not in (None, {"type": "auto"}, {"type": "none"}):
-            return "tool_choice"
-        return None
 
 
 class MessagesRequest(CountTokensRequest):

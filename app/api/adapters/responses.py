@@ -26,23 +26,25 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from app.api import generation
-from app.api.adapters import transcript
+from app.api import generation, tools
 from app.api.adapters.responses_schemas import (
     FunctionCallItem,
     FunctionCallOutputItem,
+    NamedChoice,
     ResponsesRequest,
 )
 from app.api.adapters.responses_store import ResponseStore, Stored
 from app.api.deps import KeyNameDep, ServingDep
 from app.api.errors import APIError
 from app.api.native import ERROR_RESPONSES
+from app.api.schemas import ChatMessage
 from app.api.streaming import sse_event
+from app.api.tools import CalledFunction, MessageToolCall, ToolPlan
 from app.serving import Serving
 from app.structured.constraint import Constraint
+from app.structured.tools import ToolCall, ToolChoice, ToolMode, ToolSpec
 
 router = APIRouter(prefix="/v1", tags=["openai"])
-NEUTRAL_TOOL_CHOICE = (None, "auto", "none")
 
 
 def response_store(request: Request) -> ResponseStore:
@@ -58,17 +60,19 @@ async def create(
     store = response_store(request)
     _check_options(body, store)
     previous = _previous(body, store)
-    turns, calls = conversation(body, previous)
-    system = [("system", body.instructions)] if body.instructions else []
+    plan = tool_plan(body, serving)
+    constraint, param = output_constraint(body, plan)
+    messages, calls = conversation(body, previous)
+    system = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
     internal = generation.InternalRequest(
-        prompt=serving.tokenizer.chat_prompt(system + turns), max_tokens=body.max_output_tokens,
-        sampling=body.sampling(), priority=body.priority, user=body.user, model=body.model,
-        stream=bool(body.stream), id_prefix="resp", constraint=text_constraint(body),
-        constraint_param="text.format.schema",
+        prompt=tools.chat_prompt(system + messages, plan, serving),
+        max_tokens=body.max_output_tokens, sampling=body.sampling(), priority=body.priority,
+        user=body.user, model=body.model, stream=bool(body.stream), id_prefix="resp",
+        constraint=constraint, constraint_param=param, tools=plan,
     )  # fmt: skip
     run = generation.start(request, serving, internal, key_name)
     shape = ResponseShape(run, body, serving.settings.model_name)
-    entry = Stored(run.id, shape.object("queued"), turns, calls, background=bool(body.background))
+    entry = Stored(run.id, shape.object("queued"), messages, calls, bool(body.background))
     response: Response
     if body.background:
         store.put(entry)
@@ -84,7 +88,7 @@ async def create(
             raise APIError(500, str(err), "server_error", code="model_error") from err
         entry.response = shape.finished(outcome)
         if body.store:
-            _keeper(store, entry)(entry.response, outcome.text)
+            _keeper(store, entry)(entry.response, outcome)
         response = JSONResponse(entry.response)
     return generation.flag_priority(response, serving, internal)
 
@@ -117,24 +121,62 @@ async def cancel(response_id: str, request: Request, serving: ServingDep) -> dic
 
 
 def _check_options(body: ResponsesRequest, store: ResponseStore) -> None:
-    """400 for what this server does not do: built-in tools (named), function tools (until
-    they are wired in), a background response that is not stored or is streamed."""
+    """400 for what this server does not do: built-in tools (named), a background response
+    that is not stored or is streamed."""
     for index, tool in enumerate(body.tools):
-        kind = tool.get("type")
-        if kind != "function":
-            raise APIError(400, f"tool type {kind!r} is not supported: this server runs no "
-                           "built-in tools (web search, file search, code interpreter, ...)",
+        if tool.type != "function":
+            raise APIError(400, f"tool type {tool.type!r} is not supported: this server runs "
+                           "no built-in tools (web search, file search, code interpreter, ...)",
                            param=f"tools.{index}.type", code="unsupported_tool")  # fmt: skip
-    if body.tools:
-        raise _unsupported("tools", "function tools are not supported by this server yet")
-    if body.tool_choice not in NEUTRAL_TOOL_CHOICE:
-        raise _unsupported("tool_choice", "tool_choice needs tools")
+        if tool.name is None:
+            raise APIError(400, "a function tool needs a name", param=f"tools.{index}.name",
+                           code="missing")  # fmt: skip
     if body.background and (not body.store or not store.enabled):
         raise _unsupported("background", "background responses must be stored (store: true, "
                            "and the server's --responses-store-size above 0)")  # fmt: skip
     if body.background and body.stream:
         raise _unsupported("stream", "a background response cannot be streamed here; poll it "
                            "with GET /v1/responses/{id}")  # fmt: skip
+
+
+def tool_plan(body: ResponsesRequest, serving: Serving) -> ToolPlan | None:
+    """The function tools offered and the choice (None: none offered); 400 for a choice that
+    names no offered tool, or that needs tools when there are none."""
+    specs = [ToolSpec(t.name or "", t.description or "", t.parameters or {"type": "object"})
+             for t in body.tools]  # fmt: skip
+    field = body.tool_choice
+    if isinstance(field, NamedChoice):
+        if field.name not in {spec.name for spec in specs}:
+            raise APIError(400, f"tool_choice names {field.name!r}, which is not in tools",
+                           param="tool_choice.name", code="invalid_tool_choice")  # fmt: skip
+        choice = ToolChoice(ToolMode.NAMED, field.name)
+    elif field is None:
+        choice = ToolChoice(ToolMode.AUTO if specs else ToolMode.NONE)
+    else:
+        if field != "none" and not specs:
+            raise APIError(400, f"tool_choice {field!r} needs tools", param="tool_choice",
+                           code="invalid_tool_choice")  # fmt: skip
+        choice = ToolChoice(ToolMode(field))
+    if choice.mode is ToolMode.NONE:
+        return None
+    if choice.mode is ToolMode.AUTO and serving.mock_calls_tool():
+        choice = ToolChoice(ToolMode.REQUIRED)
+    return ToolPlan(specs, choice, body.parallel_tool_calls is not False)
+
+
+def output_constraint(
+    body: ResponsesRequest, plan: ToolPlan | None
+) -> tuple[Constraint | None, str]:
+    """The grammar the output follows: a forced tool call's, or ``text.format``'s (not both:
+    400), and the field that set it."""
+    text = text_constraint(body)
+    forced = plan.constraint() if plan is not None else None
+    if forced is None:
+        return text, "text.format.schema"
+    if text is not None:
+        raise APIError(400, "text.format cannot be combined with a tool_choice that forces a "
+                       "tool call", param="text.format", code="invalid_request")  # fmt: skip
+    return forced, "tools"
 
 
 def text_constraint(body: ResponsesRequest) -> Constraint | None:
@@ -179,40 +221,61 @@ def _stored(store: ResponseStore, response_id: str, param: str = "response_id") 
 
 def conversation(
     body: ResponsesRequest, previous: Stored | None
-) -> tuple[list[transcript.Turn], set[str]]:
-    """The previous response's conversation (if any) followed by this input, as chat turns,
-    and the function call ids seen; a ``function_call_output`` must answer one (400)."""
-    turns = list(previous.turns) if previous is not None else []
+) -> tuple[list[ChatMessage], set[str]]:
+    """The previous response's conversation (if any) followed by this input, as chat
+    messages, and the function call ids seen; a ``function_call_output`` must answer one
+    (400)."""
+    messages = list(previous.messages) if previous is not None else []
     calls = set(previous.calls) if previous is not None else set()
     for index, item in enumerate(body.items()):
         if isinstance(item, FunctionCallItem):
             calls.add(item.call_id)
-            turns.append(("assistant", transcript.tool_call_text(item.name, item.arguments)))
+            _add_call(messages, ToolCall(item.name, item.arguments, item.call_id))
         elif isinstance(item, FunctionCallOutputItem):
             if item.call_id not in calls:
                 raise APIError(400, f"function_call_output's call_id {item.call_id!r} answers "
                                "no function_call item before it", param=f"input.{index}.call_id",
                                code="unmatched_function_call_output")  # fmt: skip
-            turns.append(("tool", item.text()))
+            messages.append(ChatMessage(role="tool", content=item.text(),
+                                        tool_call_id=item.call_id))  # fmt: skip
         else:
             role = "system" if item.role == "developer" else item.role
-            turns.append((role, item.text()))
-    return transcript.merge(turns), calls
+            messages.append(ChatMessage(role=role, content=item.text()))
+    return messages, calls
 
 
-def _keeper(store: ResponseStore, entry: Stored) -> Callable[[dict[str, Any], str], None]:
-    """Stores ``entry`` once it is finished (its object and output text)."""
+def _add_call(messages: list[ChatMessage], call: ToolCall) -> None:
+    """An assistant's call, joined to the assistant message just before it if there is one."""
+    function = CalledFunction(name=call.name, arguments=call.arguments)
+    entry = MessageToolCall(id=call.id, function=function)
+    last = messages[-1] if messages else None
+    if last is not None and last.role == "assistant":
+        messages[-1] = last.model_copy(update={"tool_calls": [*(last.tool_calls or []), entry]})
+    else:
+        messages.append(ChatMessage(role="assistant", content=None, tool_calls=[entry]))
 
-    def keep(final: dict[str, Any], text: str) -> None:
+
+Keep = Callable[[dict[str, Any], generation.Outcome | None], None]
+
+
+def _keeper(store: ResponseStore, entry: Stored) -> Keep:
+    """Stores ``entry`` once it is finished: its object, and its output in the conversation
+    (None: it failed)."""
+
+    def keep(final: dict[str, Any], outcome: generation.Outcome | None) -> None:
         entry.response = final
-        entry.turns = transcript.merge([*entry.turns, ("assistant", text)])
+        if outcome is not None:
+            entry.messages = [*entry.messages, ChatMessage(role="assistant", content=outcome.text)]
+            for call in outcome.calls:
+                _add_call(entry.messages, call)
+                entry.calls.add(call.id)
         store.finished(entry)
         store.put(entry)
 
     return keep
 
 
-def _discard(final: dict[str, Any], text: str) -> None:
+def _discard(final: dict[str, Any], outcome: generation.Outcome | None) -> None:
     return None
 
 
@@ -230,7 +293,7 @@ async def _background(
         return
     cancelled = entry.cancelled and outcome.finish_reason == "abort"
     final = shape.finished(outcome, "cancelled" if cancelled else None)
-    _keeper(store, entry)(final, outcome.text)
+    _keeper(store, entry)(final, outcome)
 
 
 class ResponseShape:
@@ -270,19 +333,31 @@ class ResponseShape:
     def part(text: str) -> dict[str, Any]:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
+    @staticmethod
+    def call(call: ToolCall, arguments: str | None, status: str) -> dict[str, Any]:
+        """A ``function_call`` output item (``arguments`` None: the call's own)."""
+        return {"type": "function_call", "id": f"fc-{call.id}", "call_id": call.id,
+                "name": call.name, "status": status,
+                "arguments": call.arguments if arguments is None else arguments}  # fmt: skip
+
     def finished(self, outcome: generation.Outcome, status: str | None = None) -> dict[str, Any]:
-        """The object of a finished response (``status`` overrides the one ``outcome`` gives)."""
+        """The object of a finished response (``status`` overrides the one ``outcome`` gives):
+        a message item (unless the reply is only tool calls), then one item per call."""
         reason = outcome.finish_reason
         status = status or {"length": "incomplete", "abort": "cancelled"}.get(reason, "completed")
         incomplete = {"reason": "max_output_tokens"} if reason == "length" else None
-        item = self.message(outcome.text, "completed" if status == "completed" else "incomplete")
+        item_status = "completed" if status == "completed" else "incomplete"
+        items = (
+            [self.message(outcome.text, item_status)] if outcome.text or not outcome.calls else []
+        )
+        items += [self.call(call, None, item_status) for call in outcome.calls]
         usage = {
             "input_tokens": outcome.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
             "output_tokens": outcome.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
         }  # fmt: skip
-        return self.object(status, [item], usage, incomplete_details=incomplete)
+        return self.object(status, items, usage, incomplete_details=incomplete)
 
     def failed(self, message: str) -> dict[str, Any]:
         return self.object("failed", error={"code": "server_error", "message": message})
@@ -290,42 +365,89 @@ class ResponseShape:
 
 class ResponseEvents:
     """OpenAI's typed Responses events for one response (an ``EventShaper``); ``keep`` gets
-    the final object and the output text (to store them)."""
+    the final object and the outcome (to store them). Without tools the message item opens at
+    once; with tools, each output item (the message, then one per function call) opens when its
+    first piece comes."""
 
-    def __init__(self, shape: ResponseShape, keep: Callable[[dict[str, Any], str], None]) -> None:
+    def __init__(self, shape: ResponseShape, keep: Keep) -> None:
         self.shape, self.keep = shape, keep
         self.sequence = 0
+        self.index = 0  # the open (or next) output item's index
+        self.said: list[str] | None = None  # the open message's text
+        self.calling: tuple[ToolCall, list[str]] | None = None  # the open call, its arguments
 
-    def _event(self, name: str, **data: Any) -> bytes:
-        event = {"type": name, "sequence_number": self.sequence} | data
+    def _event(self, kind: str, /, **data: Any) -> bytes:
+        event = {"type": kind, "sequence_number": self.sequence} | data
         self.sequence += 1
-        return sse_event(name, event)
+        return sse_event(kind, event)
 
     def _at(self) -> dict[str, Any]:
-        return {"item_id": self.shape.message_id, "output_index": 0, "content_index": 0}
+        return {"item_id": self.shape.message_id, "output_index": self.index, "content_index": 0}
 
     def opening(self) -> Iterable[bytes]:
         shape = self.shape
         yield self._event("response.created", response=shape.object("in_progress"))
         yield self._event("response.in_progress", response=shape.object("in_progress"))
-        yield self._event("response.output_item.added", output_index=0,
-                          item=shape.message(None, "in_progress"))  # fmt: skip
-        yield self._event("response.content_part.added", **self._at(), part=shape.part(""))
+        if shape.run.plan is None:
+            yield from self._open_message()
+
+    def _open_message(self) -> Iterable[bytes]:
+        yield from self._close("completed")
+        self.said = []
+        yield self._event("response.output_item.added", output_index=self.index,
+                          item=self.shape.message(None, "in_progress"))  # fmt: skip
+        yield self._event("response.content_part.added", **self._at(), part=self.shape.part(""))
+
+    def _close(self, status: str) -> Iterable[bytes]:
+        """Close the open item (if any): its done events, with ``status``."""
+        shape = self.shape
+        if self.said is not None:
+            text, self.said = "".join(self.said), None
+            yield self._event("response.output_text.done", **self._at(), text=text, logprobs=[])
+            yield self._event("response.content_part.done", **self._at(), part=shape.part(text))
+            yield self._event("response.output_item.done", output_index=self.index,
+                              item=shape.message(text, status))  # fmt: skip
+            self.index += 1
+        elif self.calling is not None:
+            (call, pieces), self.calling = self.calling, None
+            arguments, item_id = "".join(pieces), f"fc-{call.id}"
+            yield self._event("response.function_call_arguments.done", item_id=item_id,
+                              output_index=self.index, name=call.name,
+                              arguments=arguments)  # fmt: skip
+            yield self._event("response.output_item.done", output_index=self.index,
+                              item=shape.call(call, arguments, status))  # fmt: skip
+            self.index += 1
 
     def text(self, delta: str) -> Iterable[bytes]:
+        if self.said is None:
+            yield from self._open_message()
+        assert self.said is not None
+        self.said.append(delta)
         yield self._event("response.output_text.delta", **self._at(), delta=delta, logprobs=[])
 
+    def call_start(self, index: int, call: ToolCall) -> Iterable[bytes]:
+        yield from self._close("completed")
+        self.calling = (call, [])
+        yield self._event("response.output_item.added", output_index=self.index,
+                          item=self.shape.call(call, "", "in_progress"))  # fmt: skip
+
+    def call_arguments(self, index: int, delta: str) -> Iterable[bytes]:
+        assert self.calling is not None
+        call, pieces = self.calling
+        pieces.append(delta)
+        yield self._event("response.function_call_arguments.delta", item_id=f"fc-{call.id}",
+                          output_index=self.index, delta=delta)  # fmt: skip
+
     def closing(self, outcome: generation.Outcome) -> Iterable[bytes]:
-        shape, text = self.shape, outcome.text
-        final = shape.finished(outcome)
-        yield self._event("response.output_text.done", **self._at(), text=text, logprobs=[])
-        yield self._event("response.content_part.done", **self._at(), part=shape.part(text))
-        yield self._event("response.output_item.done", output_index=0, item=final["output"][0])
-        self.keep(final, text)
+        final = self.shape.finished(outcome)
+        if self.index == 0 and self.said is None and self.calling is None and not outcome.calls:
+            yield from self._open_message()  # an empty reply: still one (empty) message
+        yield from self._close("completed" if final["status"] == "completed" else "incomplete")
+        self.keep(final, outcome)
         terminal = "response.completed" if final["status"] == "completed" else "response.incomplete"
         yield self._event(terminal, response=final)
 
     def failure(self, message: str) -> Iterable[bytes]:
         final = self.shape.failed(message)
-        self.keep(final, "")
+        self.keep(final, None)
         yield self._event("response.failed", response=final)

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictStr, Tag
 
 from app.api.schemas import MaxTokens, Priority, SamplingFields, Text, UserName
+from app.api.tools import FunctionName
 
 Id = Annotated[StrictStr, Field(min_length=1, max_length=256)]
 
@@ -104,6 +105,26 @@ class TextOptions(BaseModel):
     format: TextFormat | None = None
 
 
+class ToolItem(BaseModel):
+    """A tool: a ``function`` (``name``, ``description``, ``parameters``: its arguments' JSON
+    schema); any other type is a built-in tool, refused by the adapter, named."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: StrictStr
+    name: FunctionName | None = None
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class NamedChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    name: StrictStr
+
+
 class ResponsesRequest(SamplingFields):
     """``POST /v1/responses``."""
 
@@ -117,8 +138,8 @@ class ResponsesRequest(SamplingFields):
     store: StrictBool | None = True
     background: StrictBool | None = False
     previous_response_id: Id | None = None
-    tools: list[dict[str, Any]] = Field(default_factory=list)
-    tool_choice: object = None
+    tools: Annotated[list[ToolItem], Field(max_length=128)] = Field(default_factory=list)
+    tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     text: TextOptions | None = None
     metadata: dict[str, StrictStr] | None = None

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.api.adapters.transcript import Turn
+from app.api.schemas import ChatMessage
 
 RUNNING = ("queued", "in_progress")
 
@@ -29,7 +29,7 @@ class Stored:
 
     id: str
     response: dict[str, Any]
-    turns: list[Turn]  # input and output, without the instructions (they do not carry over)
+    messages: list[ChatMessage]  # input and output, without the instructions (not carried over)
     calls: set[str]  # function call ids a later function_call_output may answer
     background: bool = False
     cancelled: bool = False  # a cancel was asked for
