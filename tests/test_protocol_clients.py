@@ -3,14 +3,23 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from typing import Any
 
 import anthropic
 import httpx
 import openai
 import pydantic
 import pytest
-from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+from agents import (
+    Agent,
+    ModelSettings,
+    OpenAIResponsesModel,
+    Runner,
+    function_tool,
+    set_tracing_disabled,
+)
 from anthropic.types import MessageParam
 from server_process import ServerProcess, running_server
 
@@ -198,3 +207,90 @@ def test_hf_smollm2_answers_through_messages_responses_and_an_agent() -> None:
         agent = Agent(name="geographer", model=OpenAIResponsesModel(name, async_client),
                       model_settings=ModelSettings(temperature=0, max_tokens=60))  # fmt: skip
         assert "Paris" in Runner.run_sync(agent, question).final_output
+
+
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+
+
+def test_openai_responses_function_tool_round_trip(server: ServerProcess) -> None:
+    client = openai_client(server)
+    tools: list[Any] = [{"type": "function", "name": "weather", "parameters": WEATHER_SCHEMA,
+                         "strict": True, "description": "The weather in a city"}]  # fmt: skip
+    first = client.responses.create(
+        model=MODEL, input="Weather in Paris?", tools=tools, tool_choice="required",
+        max_output_tokens=300,
+    )  # fmt: skip
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "weather" and set(json.loads(call.arguments)) == {"city"}
+    answer = client.responses.create(
+        model=MODEL, previous_response_id=first.id, tools=tools, max_output_tokens=2000,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+    )  # fmt: skip
+    assert answer.status == "completed" and answer.output_text
+    assert [item.type for item in answer.output] == ["message"]
+    with client.responses.stream(
+        model=MODEL, input="Weather?", tools=tools, max_output_tokens=300,
+        tool_choice={"type": "function", "name": "weather"},
+    ) as stream:  # fmt: skip
+        deltas = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
+        final = stream.get_final_response()
+    (streamed,) = final.output
+    assert streamed.type == "function_call" and streamed.arguments == "".join(deltas)
+    json.loads(streamed.arguments)
+
+
+def test_anthropic_tool_round_trip_streamed_and_not(server: ServerProcess) -> None:
+    client = anthropic_client(server)
+    tools: list[Any] = [{"name": "weather", "description": "The weather in a city",
+                         "input_schema": WEATHER_SCHEMA}]  # fmt: skip
+    ask: list[MessageParam] = [{"role": "user", "content": "Weather in Paris?"}]
+    first = client.messages.create(
+        model=MODEL, max_tokens=300, messages=ask, tools=tools, tool_choice={"type": "any"}
+    )
+    assert first.stop_reason == "tool_use"
+    (use,) = [block for block in first.content if block.type == "tool_use"]
+    assert use.name == "weather" and set(use.input) == {"city"}
+    history: list[MessageParam] = [
+        *ask,
+        {"role": "assistant", "content": first.content},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]},
+    ]  # fmt: skip
+    answer = client.messages.create(model=MODEL, max_tokens=2000, messages=history, tools=tools)
+    assert answer.stop_reason == "end_turn" and answer.content[0].type == "text"
+    with client.messages.stream(
+        model=MODEL, max_tokens=300, messages=ask, tools=tools,
+        tool_choice={"type": "tool", "name": "weather"},
+    ) as stream:  # fmt: skip
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use"
+    (streamed,) = final.content
+    assert streamed.type == "tool_use" and set(streamed.input) == {"city"}
+
+
+async def test_openai_agents_runs_an_agent_with_a_function_tool(server: ServerProcess) -> None:
+    set_tracing_disabled(True)
+    asked: list[str] = []
+
+    @function_tool
+    def weather(city: str) -> str:
+        """The weather in a city."""
+        asked.append(city)
+        return f"It is sunny in {city}."
+
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    agent = Agent(
+        name="forecaster", instructions="Answer with the weather tool.", tools=[weather],
+        model=OpenAIResponsesModel(model=MODEL, openai_client=client),
+        # the first turn must call the tool; the SDK then resets the choice to auto, and the
+        # mock (--mock-tool-call-probability 0) answers in text: the final output
+        model_settings=ModelSettings(tool_choice="required", max_tokens=2000),
+    )  # fmt: skip
+    result = await Runner.run(agent, "Weather in Paris?")
+    assert len(asked) == 1
+    assert isinstance(result.final_output, str) and result.final_output

@@ -318,7 +318,8 @@ class ResponseShape:
             "model": self.model, "output": output or [], "parallel_tool_calls": True,
             "previous_response_id": body.previous_response_id,
             "temperature": body.temperature, "top_p": body.top_p,
-            "tool_choice": body.tool_choice or "auto", "tools": body.tools,
+            "tool_choice": _dumped(body.tool_choice) or "auto",
+            "tools": [tool.model_dump(exclude_none=True) for tool in body.tools],
             "text": {"format": fmt or {"type": "text"}}, "truncation": "disabled",
             "usage": usage, "user": body.user, "metadata": body.metadata or {},
             "store": body.store is not False,
@@ -361,6 +362,10 @@ class ResponseShape:
 
     def failed(self, message: str) -> dict[str, Any]:
         return self.object("failed", error={"code": "server_error", "message": message})
+
+
+def _dumped(value: Any) -> Any:
+    return value.model_dump() if isinstance(value, NamedChoice) else value
 
 
 class ResponseEvents:
