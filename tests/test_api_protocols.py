@@ -405,3 +405,74 @@ async def test_text_format_json_schema_constrains_a_response(make_client: Client
         assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.schema"
         r = await client.post("/v1/responses", json=body | {"text": {"format": {"type": "yaml"}}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.type"
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+ANTHROPIC_TOOLS = [{"name": "weather", "input_schema": WEATHER}]
+RESPONSES_TOOLS = [{"type": "function", "name": "weather", "parameters": WEATHER}]
+
+
+async def test_a_forced_tool_call_streams_as_each_protocols_tool_events(
+    make_client: ClientFactory,
+) -> None:
+    async with make_client() as client:
+        body = {"max_tokens": 300, "messages": USER, "tools": ANTHROPIC_TOOLS,
+                "tool_choice": {"type": "tool", "name": "weather"}}  # fmt: skip
+        whole = (await client.post("/v1/messages", json=body)).json()
+        (use,) = whole["content"]
+        assert use["type"] == "tool_use" and whole["stop_reason"] == "tool_use"
+        events = parse_sse((await client.post("/v1/messages", json=body | {"stream": True})).text)
+        names = [e.event for e in events]
+        assert names[:3] == ["message_start", "ping", "content_block_start"]
+        assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+        assert events[2].data["content_block"]["type"] == "tool_use"
+        pieces = [e.data["delta"] for e in events[3:-3]]
+        assert {p["type"] for p in pieces} == {"input_json_delta"}
+        assert json.loads("".join(p["partial_json"] for p in pieces)) == use["input"]
+        assert events[-2].data["delta"]["stop_reason"] == "tool_use"
+
+        body = {"max_output_tokens": 300, "input": "Weather?", "tools": RESPONSES_TOOLS,
+                "tool_choice": "required"}  # fmt: skip
+        whole = (await client.post("/v1/responses", json=body)).json()
+        (call,) = whole["output"]
+        assert call["type"] == "function_call" and whole["status"] == "completed"
+        events = response_events(await client.post("/v1/responses", json=body | {"stream": True}))
+        names = [e.event for e in events]
+        assert names[:3] == ["response.created", "response.in_progress",
+                             "response.output_item.added"]  # fmt: skip
+        assert names[-3:] == ["response.function_call_arguments.done",
+                              "response.output_item.done", "response.completed"]  # fmt: skip
+        done = events[-3].data
+        deltas = [e.data["delta"] for e in events if e.event.endswith("arguments.delta")]
+        assert "".join(deltas) == done["arguments"] and json.loads(done["arguments"])["city"]
+        final = events[-1].data["response"]
+        assert final["output"][0]["call_id"] == events[2].data["item"]["call_id"]
+
+
+async def test_tool_bad_input_is_a_400_naming_the_field(make_client: ClientFactory) -> None:
+    messages: list[tuple[dict[str, Any], str]] = [
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
+        ({"tools": [{"name": "weather"}]}, "tools.0.input_schema"),
+        ({"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool", "name": "x"}},
+         "tool_choice.name"),
+        ({"tool_choice": {"type": "any"}}, "tool_choice"),
+        ({"tools": [{"name": "bad name!", "input_schema": WEATHER}]}, "tools.0.name"),
+    ]  # fmt: skip
+    responses: list[tuple[dict[str, Any], str]] = [
+        ({"tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "name": "x"}},
+         "tool_choice.name"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function"}]}, "tools.0.name"),
+        ({"tools": RESPONSES_TOOLS, "tool_choice": "required",
+          "text": {"format": {"type": "json_object"}}}, "text.format"),
+    ]  # fmt: skip
+    async with make_client() as client:
+        for extra, param in messages:
+            body = {"max_tokens": 5, "messages": USER} | extra
+            r = await client.post("/v1/messages", json=body)
+            message = anthropic_error(r, 400, "invalid_request_error")
+            assert param.split(".")[0] in message or param in message, (extra, message)
+        for extra, param in responses:
+            r = await client.post("/v1/responses", json={"input": "hi"} | extra)
+            assert r.status_code == 400, (extra, r.text)
+            assert r.json()["error"]["param"] == param, (extra, r.json())

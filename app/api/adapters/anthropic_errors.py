@@ -5,9 +5,10 @@ same code on every route: authentication (401), body limits (413), validation (4
 refusals (429, 503), failures injected on purpose. On a path under ``/v1/messages`` this
 middleware rewrites such an answer (status >= 400 with a JSON ``{"error": {...}}`` body) into
 Anthropic's ``{"type": "error", "error": {"type", "message"}}`` with Anthropic's type for the
-status, and 503 (overloaded, draining) becomes Anthropic's 529 ``overloaded_error``. Headers
-such as ``Retry-After`` are kept. Streams (status 200) pass through untouched: their error
-event is already Anthropic's (``anthropic.MessageEvents``). An unexpected exception (a bug),
+status (the message names the field, as ``param`` did), and 503 (overloaded, draining) becomes
+Anthropic's 529 ``overloaded_error``. Headers such as ``Retry-After`` are kept. Streams (status
+200) pass through untouched: their error event is already Anthropic's
+(``anthropic.MessageEvents``). An unexpected exception (a bug),
 which Starlette would answer outside every middleware in OpenAI's shape, is logged and
 answered here as Anthropic's 500 ``api_error`` when no response has started.
 """
@@ -38,9 +39,12 @@ def anthropic_error(status: int, body: bytes) -> tuple[int, bytes]:
     """The status and body of an error answer in Anthropic's shape."""
     status = STATUS.get(status, status)
     try:
-        message = str(json.loads(body)["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        message = body.decode("utf-8", "replace")
+        error = json.loads(body)["error"]
+        message, param = str(error["message"]), error.get("param")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        message, param = body.decode("utf-8", "replace"), None
+    if isinstance(param, str) and param not in message:  # Anthropic's shape has no param
+        message = f"{param}: {message}"
     default = "api_error" if status >= 500 else "invalid_request_error"
     kind = ERROR_TYPES.get(status, default)
     shaped = {"type": "error", "error": {"type": kind, "message": message}}
