@@ -207,6 +207,23 @@ def test_hf_smollm2_answers_through_messages_responses_and_an_agent() -> None:
         agent = Agent(name="geographer", model=OpenAIResponsesModel(name, async_client),
                       model_settings=ModelSettings(temperature=0, max_tokens=60))  # fmt: skip
         assert "Paris" in Runner.run_sync(agent, question).final_output
+        asked: list[str] = []
+
+        @function_tool
+        def weather(city: str) -> str:
+            """The weather in a city."""
+            asked.append(city)
+            return f"It is sunny in {city}."
+
+        forecaster = Agent(
+            name="forecaster", instructions="Use the weather tool.", tools=[weather],
+            model=OpenAIResponsesModel(name, async_client), tool_use_behavior="stop_on_first_tool",
+            # one call (in parallel, greedy SmolLM2 repeats the call until max_tokens)
+            model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False,
+                                         temperature=0, max_tokens=100),
+        )  # fmt: skip
+        result = Runner.run_sync(forecaster, "What is the weather in Paris?")
+        assert asked == ["Paris"] and result.final_output == "It is sunny in Paris."
 
 
 WEATHER_SCHEMA = {
