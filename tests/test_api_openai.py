@@ -189,13 +189,8 @@ async def test_null_means_the_default_for_n_and_stream(make_client: ClientFactor
 @pytest.mark.parametrize(
     ("path", "field", "value"),
     [
-        ("/v1/completions", "echo", True),
-        ("/v1/completions", "logprobs", 1),
-        ("/v1/completions", "logprobs", 0),
         ("/v1/completions", "suffix", "end"),
         ("/v1/completions", "best_of", 2),
-        ("/v1/chat/completions", "logprobs", True),
-        ("/v1/chat/completions", "top_logprobs", 3),
         ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
         ("/v1/chat/completions", "response_format", {"type": "json_object"}),
     ],

@@ -13,12 +13,14 @@ from fastapi.responses import JSONResponse, Response
 from app.api import faults
 from app.api.deps import KeyNameDep, ServingDep
 from app.api.errors import APIError, error_body, model_failed_message, model_not_found
+from app.api.logprobs import CompletionLogprobs, TokenText, chat_content, prompt_logprobs
 from app.api.native import ERROR_RESPONSES, flag_ignored_priority
 from app.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIParams
 from app.api.streaming import sse_event, sse_response, until_disconnected
 from app.engine.stop_strings import StopStringMatcher
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason
+from app.models.protocol import Logprobs
 from app.serving import GenerationParams, Serving
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -46,7 +48,7 @@ async def completions(
     ids = completion_prompt_ids(body, serving)
     max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
     run = _start(request, serving, body, ids, max_tokens, "cmpl", key_name)
-    shape = CompletionShape(run.id, serving.settings.model_name)
+    shape = CompletionShape(run.id, serving.settings.model_name, run, bool(body.echo))
     response = await _respond(run, body, request, serving, shape)
     return flag_ignored_priority(response, serving, body.priority)
 
@@ -60,8 +62,11 @@ async def chat_completions(
     max_tokens = (
         body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
     )
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs",
+                       code="invalid_value")  # fmt: skip
     run = _start(request, serving, body, ids, max_tokens, "chatcmpl", key_name)
-    shape = ChatShape(run.id, serving.settings.model_name)
+    shape = ChatShape(run.id, serving.settings.model_name, run)
     response = await _respond(run, body, request, serving, shape)
     return flag_ignored_priority(response, serving, body.priority)
 
@@ -87,6 +92,19 @@ class Run:
     stream: RequestStream
     matcher: StopStringMatcher
     created: int
+    text: TokenText  # each token's text (log probabilities)
+    top: int | None = None  # alternatives per token when log probabilities were asked for
+
+
+@dataclass
+class Piece:
+    """A part of the reply: its text, the tokens it came from (with their log probabilities,
+    when asked for) and, on the last one, the finish reason."""
+
+    text: str
+    reason: str | None
+    tokens: list[int]
+    logprobs: list[Logprobs | None] | None = None
 
 
 def _start(
@@ -109,32 +127,35 @@ def _start(
     params = GenerationParams(
         prompt=ids, max_tokens=max_tokens, stop_token_ids=body.stop_token_ids,
         stop_strings=stops, ignore_eos=body.ignore_eos, priority=body.priority,
-        sampling=body.sampling(), user=key_name if key_name is not None else body.user,
-        key_name=key_name,
+        sampling=body.sampling(), bad_words=body.bad_words or [],
+        user=key_name if key_name is not None else body.user, key_name=key_name,
     )  # fmt: skip
     stream = faults.submit(
         request, serving, params, streaming=bool(body.stream), id_prefix=prefix, model=body.model
     )
-    return Run(stream.request_id, stream, StopStringMatcher(stops), int(time.time()))
+    matcher = StopStringMatcher(stops, params.sampling.min_tokens)
+    text = TokenText(serving.tokenizer)
+    top = body.top_logprobs_asked()
+    return Run(stream.request_id, stream, matcher, int(time.time()), text, top)
 
 
-async def _texts(run: Run, serving: Serving) -> AsyncIterator[tuple[str, str | None]]:
-    """(text delta, finish reason or None) pairs. The engine ends a request at the step whose
-    tokens complete a stop string; here the text is cut right before it."""
+async def _texts(run: Run, serving: Serving) -> AsyncIterator[Piece]:
+    """The reply's pieces. The engine ends a request at the step whose tokens complete a stop
+    string; here the text is cut right before it."""
     decoder = serving.tokenizer.stream_decoder()
     async for delta in run.stream:
-        text = run.matcher.feed(decoder.feed(delta.tokens))
+        text = run.matcher.feed_tokens(decoder, delta.tokens)
         if run.matcher.hit:
-            yield text, FinishReason.STOP.value
+            yield Piece(text, FinishReason.STOP.value, delta.tokens, delta.logprobs)
             return
         if delta.finish_reason is FinishReason.ERROR:
             raise _ModelFailed(run.stream)
         if delta.finish_reason is not None:
             text += run.matcher.feed(decoder.flush()) + run.matcher.flush()
-            yield text, delta.finish_reason.value
+            yield Piece(text, delta.finish_reason.value, delta.tokens, delta.logprobs)
             return
-        if text:
-            yield text, None
+        if text or (delta.tokens and delta.logprobs is not None):
+            yield Piece(text, None, delta.tokens, delta.logprobs)
 
 
 class _ModelFailed(Exception):
@@ -159,19 +180,23 @@ async def _respond(
         chunks = _stream_chunks(run, serving, shape, usage)
         return sse_response(chunks, run.stream, serving)
     abort = lambda: serving.abort(run.id)  # noqa: E731
-    text, reason = await until_disconnected(request, _collect(run, serving), abort)
-    return JSONResponse(shape.whole(text, reason, _usage(run.stream), run.created))
+    whole = await until_disconnected(request, _collect(run, serving), abort)
+    return JSONResponse(shape.whole(whole, _usage(run.stream), run.created))
 
 
-async def _collect(run: Run, serving: Serving) -> tuple[str, str | None]:
-    parts: list[str] = []
-    reason: str | None = None
+async def _collect(run: Run, serving: Serving) -> Piece:
+    """The whole reply as one piece."""
+    whole = Piece("", None, [], [] if run.top is not None else None)
     try:
-        async for text, reason in _texts(run, serving):  # noqa: B007
-            parts.append(text)
+        async for piece in _texts(run, serving):
+            whole.text += piece.text
+            whole.reason = piece.reason
+            whole.tokens += piece.tokens
+            if whole.logprobs is not None:
+                whole.logprobs += piece.logprobs or [None] * len(piece.tokens)
     except _ModelFailed as err:
         raise APIError(500, str(err), "server_error", code="model_error") from err
-    return "".join(parts), reason
+    return whole
 
 
 async def _stream_chunks(
@@ -180,8 +205,8 @@ async def _stream_chunks(
     for first in shape.opening(run.created):
         yield sse_event(None, first)
     try:
-        async for text, reason in _texts(run, serving):
-            yield sse_event(None, shape.chunk(text, reason, run.created))
+        async for piece in _texts(run, serving):
+            yield sse_event(None, shape.chunk(piece, run.created))
     except _ModelFailed as err:
         yield sse_event(None, error_body(str(err), "server_error", None, "model_error"))
         return
@@ -196,8 +221,8 @@ class Shape:
     object_whole = ""
     object_chunk = ""
 
-    def __init__(self, request_id: str, model: str) -> None:
-        self.id, self.model = request_id, model
+    def __init__(self, request_id: str, model: str, run: Run) -> None:
+        self.id, self.model, self.run = request_id, model, run
 
     def envelope(self, obj: str, created: int, choices: list[Any]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": created, "model": self.model,
@@ -206,15 +231,11 @@ class Shape:
     def opening(self, created: int) -> list[dict[str, Any]]:
         return []
 
-    def whole(
-        self, text: str, reason: str | None, usage: dict[str, int], created: int
-    ) -> dict[str, Any]:
-        return self.envelope(self.object_whole, created, [self.choice(text, reason)]) | {
-            "usage": usage
-        }
+    def whole(self, piece: Piece, usage: dict[str, int], created: int) -> dict[str, Any]:
+        return self.envelope(self.object_whole, created, [self.choice(piece)]) | {"usage": usage}
 
-    def chunk(self, text: str, reason: str | None, created: int) -> dict[str, Any]:
-        return self.envelope(self.object_chunk, created, [self.delta(text, reason)])
+    def chunk(self, piece: Piece, created: int) -> dict[str, Any]:
+        return self.envelope(self.object_chunk, created, [self.delta(piece)])
 
     def usage_chunk(self, usage: dict[str, int], created: int) -> dict[str, Any]:
         return self.envelope(self.object_chunk, created, []) | {"usage": usage}
@@ -224,10 +245,35 @@ class Shape:
 
 
 class CompletionShape(Shape):
+    """A completion; with ``echo``, the prompt (and its log probabilities) comes first: in the
+    whole reply, or in the first streamed chunk."""
+
     object_whole = object_chunk = "text_completion"
 
-    def choice(self, text: str, reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+    def __init__(self, request_id: str, model: str, run: Run, echo: bool) -> None:
+        super().__init__(request_id, model, run)
+        self.echo_pending = echo
+        self.first = True
+        self.logprobs = None if run.top is None else CompletionLogprobs(run.text, run.top)
+
+    def choice(self, piece: Piece) -> dict[str, Any]:
+        seq = self.run.stream.seq
+        first, self.first = self.first, False
+        if self.echo_pending:
+            self.echo_pending = False
+            prompt = seq.prompt
+            prompt_entries = seq.prompt_logprobs or [None] * len(prompt)
+            logprobs = None if piece.logprobs is None else [*prompt_entries, *piece.logprobs]
+            text = self.run.text.decode(prompt)
+            piece = Piece(text + piece.text, piece.reason, [*prompt, *piece.tokens], logprobs)
+        rendered = None
+        if self.logprobs is not None:
+            entries = piece.logprobs or [None] * len(piece.tokens)
+            rendered = self.logprobs.render(piece.tokens, entries)
+        out = {"index": 0, "text": piece.text, "finish_reason": piece.reason, "logprobs": rendered}
+        if first and seq.prompt_logprobs is not None:
+            out["prompt_logprobs"] = prompt_logprobs(seq.prompt, seq.prompt_logprobs, self.run.text)
+        return out
 
     delta = choice
 
@@ -237,13 +283,30 @@ class ChatShape(Shape):
     object_chunk = "chat.completion.chunk"
 
     def opening(self, created: int) -> list[dict[str, Any]]:
-        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                 "logprobs": None}  # fmt: skip
         return [self.envelope(self.object_chunk, created, [first])]
 
-    def choice(self, text: str, reason: str | None) -> dict[str, Any]:
-        message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "finish_reason": reason, "logprobs": None}
+    def choice(self, piece: Piece) -> dict[str, Any]:
+        message = {"role": "assistant", "content": piece.text}
+        return {"index": 0, "message": message, "finish_reason": piece.reason,
+                "logprobs": self._logprobs(piece)}  # fmt: skip
 
-    def delta(self, text: str, reason: str | None) -> dict[str, Any]:
-        content = {"content": text} if text else {}
-        return {"index": 0, "delta": content, "finish_reason": reason, "logprobs": None}
+    def delta(self, piece: Piece) -> dict[str, Any]:
+        content = {"content": piece.text} if piece.text else {}
+        return {"index": 0, "delta": content, "finish_reason": piece.reason,
+                "logprobs": self._logprobs(piece)}  # fmt: skip
+
+    def whole(self, piece: Piece, usage: dict[str, int], created: int) -> dict[str, Any]:
+        out = super().whole(piece, usage, created)
+        seq = self.run.stream.seq
+        if seq.prompt_logprobs is not None:  # vLLM's field, next to the choices
+            out["prompt_logprobs"] = prompt_logprobs(seq.prompt, seq.prompt_logprobs, self.run.text)
+        return out
+
+    def _logprobs(self, piece: Piece) -> dict[str, Any] | None:
+        if self.run.top is None:
+            return None
+        entries = piece.logprobs or [None] * len(piece.tokens)
+        return {"content": chat_content(piece.tokens, entries, self.run.text, self.run.top),
+                "refusal": None}  # fmt: skip

@@ -4,9 +4,19 @@ are ignored so real clients work; semantic checks (vocabulary, context length) l
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import dataclasses
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
 
 from app.models.protocol import SamplingParams
 
@@ -32,6 +42,13 @@ RequestId = Annotated[
 MaxTokens = Annotated[StrictInt, Field(ge=0)]
 Priority = Annotated[StrictInt, Field(ge=-1000, le=1000)]
 UserName = Annotated[StrictStr, Field(max_length=256), AfterValidator(_unicode_text)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+TokenKey = Annotated[StrictStr, Field(pattern=r"^[0-9]{1,9}$")]  # a token id as a JSON key
+Bias = Annotated[float, Field(ge=-100, le=100)]
+TopLogprobs = Annotated[StrictInt, Field(ge=0, le=20)]
+MAX_LOGIT_BIAS = 1024  # entries
+MAX_BAD_WORDS = 64
+_PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 class SamplingFields(BaseModel):
@@ -42,14 +59,36 @@ class SamplingFields(BaseModel):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[StrictInt, Field(ge=-1)] | None = Field(None, description="-1 or 0: off")
     seed: StrictInt | None = Field(None, description="same seed, same tokens, whatever the batch")
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = None
+    logit_bias: Annotated[dict[TokenKey, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    bad_words: Annotated[list[NonEmptyText], Field(max_length=MAX_BAD_WORDS)] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(
-            temperature=self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=max(0, self.top_k or 0),
-            seed=self.seed,
-        )
+        """The sampling parameters (``bad_words`` are text: the server tokenizes them)."""
+        fields: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": max(0, self.top_k or 0),
+            "seed": self.seed,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "repetition_penalty": self.repetition_penalty or 1.0,
+            "logit_bias": tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
+            "min_tokens": self.min_tokens or 0,
+            "allowed_token_ids": (
+                None
+                if self.allowed_token_ids is None
+                else tuple(sorted(set(self.allowed_token_ids)))
+            ),
+        }
+        if self.min_p and "min_p" in _PARAM_FIELDS:  # SamplingParams.min_p: the vectorized sampler
+            fields["min_p"] = self.min_p
+        return SamplingParams(**fields)
 
 
 class GenerateRequest(SamplingFields):
@@ -72,9 +111,6 @@ class StreamOptions(BaseModel):
 
 
 NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
-    "echo": (None, False),
-    "logprobs": (None, False),  # 0 still asks completions for the sampled token's logprob
-    "top_logprobs": (None, 0),
     "suffix": (None, ""),
     "best_of": (None, 1),
     "tools": (None, []),
@@ -100,13 +136,11 @@ class OpenAIParams(SamplingFields):
     n: Literal[1] | None = 1
     priority: Priority = Field(0, description="vLLM's extension: lower runs first")
     user: UserName | None = None
+    prompt_logprobs: TopLogprobs | None = Field(None, description="vLLM's: per prompt token")
 
-    # Fields that would change the response's shape (echoed prompt, log-probabilities, tool
-    # calls, JSON mode): this server cannot honour them, so a value other than the neutral one
-    # is refused (see ``unsupported``) rather than silently answered without them.
-    echo: object = None
-    logprobs: object = None
-    top_logprobs: object = None
+    # Fields that would change the response's shape (suffix, tool calls, JSON mode): this
+    # server cannot honour them, so a value other than the neutral one is refused (see
+    # ``unsupported``) rather than silently answered without them.
     suffix: object = None
     best_of: object = None
     tools: object = None
@@ -129,8 +163,32 @@ class OpenAIParams(SamplingFields):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def top_logprobs_asked(self) -> int | None:
+        """Alternatives per sampled token (0: the sampled token's only), None: no logprobs."""
+        return None
+
+    def sampling(self) -> SamplingParams:
+        params = super().sampling()
+        logprobs, prompt = self.top_logprobs_asked(), self.prompt_logprobs
+        if logprobs is None and prompt is None:
+            return params
+        return dataclasses.replace(params, logprobs=logprobs, prompt_logprobs=prompt)
+
 
 class CompletionRequest(OpenAIParams):
+    logprobs: TopLogprobs | None = Field(None, description="log probabilities of N alternatives")
+    echo: StrictBool | None = False
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
+
+    @model_validator(mode="after")
+    def _echo_logprobs(self) -> CompletionRequest:
+        """With ``echo``, ``logprobs`` covers the prompt's tokens too (as OpenAI's did)."""
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = self.logprobs
+        return self
+
     prompt: (
         NonEmptyText
         | Annotated[list[TokenId], Field(min_length=1)]
@@ -166,3 +224,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(OpenAIParams):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: TopLogprobs | None = None
+
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

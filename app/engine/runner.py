@@ -9,7 +9,14 @@ from typing import Protocol
 from app.engine.errors import ModelOutputError
 from app.engine.step import ModelOutput, SchedulerOutput
 from app.engine.types import Sequence
-from app.models.protocol import CachedModel, Model, SamplingParams, StatelessModel, StepBatch
+from app.models.protocol import (
+    CachedModel,
+    Model,
+    SamplingParams,
+    StatelessModel,
+    StepBatch,
+    StepResult,
+)
 
 log = logging.getLogger("slotserve.engine")
 
@@ -44,21 +51,27 @@ class StatelessRunner:
         self.pad_sequence = pad_sequence
         self._decodes: list[Sequence] = []  # the previous step's decode list and its inputs:
         self._inputs: list[list[int]] = []  # while it is unchanged, the same lists serve again
+        self._plain = True  # every one of those decodes samples plainly
+        self._sampled = getattr(model, "next_tokens_for", None)
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         seqs = out.decode_seqs
         inputs = self._inputs_for(seqs)
+        plain = self._plain
         if out.prefills:
             sampling = [s for s, c in zip(out.prefill_seqs, out.prefills, strict=True) if c.sample]
             seqs, inputs = seqs + sampling, inputs + [s.tokens for s in sampling]
+            plain = plain and all(s.sampling.plain for s in sampling)
         if not inputs:
             return ModelOutput([])
+        if not plain and self._sampled is not None:
+            return model_output(self._sampled(seqs), len(seqs))
         if self.pad_sequence is not None:
             return ModelOutput(self._padded(seqs, inputs))
         return ModelOutput(checked_tokens(self.model.next_tokens(inputs), len(inputs)))
 
     def close(self) -> None:
-        self._decodes, self._inputs = [], []
+        self._decodes, self._inputs, self._plain = [], [], True
 
     def retry_resets(self) -> frozenset[int]:
         return frozenset()  # a stateless model has no cache to reset
@@ -66,6 +79,7 @@ class StatelessRunner:
     def _inputs_for(self, decodes: list[Sequence]) -> list[list[int]]:
         if decodes is not self._decodes:
             self._decodes, self._inputs = decodes, [seq.tokens for seq in decodes]
+            self._plain = all(seq.sampling.plain for seq in decodes)
         return self._inputs
 
     def _padded(self, seqs: list[Sequence], inputs: list[list[int]]) -> list[int]:
@@ -96,6 +110,8 @@ class CachedRunner:
         self._dirty: set[int] = set()  # assigned slots whose release raised
         self._decodes: list[Sequence] = []  # the previous step's decode list and the model-
         self._columns: tuple[list[int], list[SamplingParams], list[str]] = ([], [], [])
+        self._plain = True  # every one of those decodes samples plainly
+        self._sampled = getattr(model, "step_sampled", None)
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         for slot in [*out.released, *self._dirty]:
@@ -108,9 +124,10 @@ class CachedRunner:
             prefills = [c for c in prefills if not (c.fresh and c.slot in self._dirty)]
         self._assigned.update(chunk.slot for chunk in prefills if chunk.fresh)
         slots, sampling, ids = self._columns_for(out.decode_seqs)
-        batch = StepBatch(slots, out.decode_tokens, sampling, ids, prefills)
-        tokens = checked_tokens(self.model.step(batch), batch.num_outputs)
-        return ModelOutput(tokens, frozenset(self._dirty))
+        batch = StepBatch(slots, out.decode_tokens, sampling, ids, prefills, out.decode_seqs)
+        plain = self._plain and all(chunk.sampling.plain for chunk in prefills)
+        step = self.model.step if plain or self._sampled is None else self._sampled
+        return model_output(step(batch), batch.num_outputs, frozenset(self._dirty))
 
     def close(self) -> None:
         for slot in sorted(self._assigned):
@@ -130,6 +147,7 @@ class CachedRunner:
             assert len(slots) == len(decodes), "a decoding request without a slot"
             self._decodes = decodes
             self._columns = (slots, [s.sampling for s in decodes], [s.request_id for s in decodes])
+            self._plain = all(params.plain for params in self._columns[1])
         return self._columns
 
     def _release(self, slot: int) -> None:
@@ -170,6 +188,19 @@ def make_runner(model: Model, num_slots: int, pad_sequence: list[int] | None = N
 
 
 _INT_ONLY = {int}
+
+
+def model_output(
+    result: object, expected: int, unavailable: frozenset[int] = frozenset()
+) -> ModelOutput:
+    """A model's answer (a token list or a ``StepResult``) checked and wrapped."""
+    if not isinstance(result, StepResult):
+        return ModelOutput(checked_tokens(result, expected), unavailable)
+    tokens = checked_tokens(result.tokens, expected)
+    logprobs = result.logprobs
+    if logprobs is not None and len(logprobs) != expected:
+        raise ModelOutputError(f"model returned {len(logprobs)} logprobs, expected {expected}")
+    return ModelOutput(tokens, unavailable, logprobs, result.prompt_logprobs)
 
 
 def checked_tokens(tokens: object, expected: int) -> list[int]:
