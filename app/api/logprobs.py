@@ -84,7 +84,9 @@ class CompletionLogprobs:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
                 continue
-            top = {self.text(t): _value(lp) for t, lp in entry.top[: self.top]}
+            top: dict[str, float] = {}
+            for t, lp in entry.top[: self.top]:  # most likely first: a shared text keeps it
+                top.setdefault(self.text(t), _value(lp))
             top.setdefault(piece, _value(entry.logprob))
             out["token_logprobs"].append(_value(entry.logprob))
             out["top_logprobs"].append(top)
