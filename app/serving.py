@@ -294,11 +294,19 @@ class Serving:
     async def cancel(self, request_id: str) -> bool:
         """Abort a live request and wait (at most ``CANCEL_TIMEOUT``) until the engine has
         applied it, so its id is free again on return. False if no live request has this id."""
-        stream = self.engine.core.live.get(request_id)
+        live = self.engine.core.live
+        stream = live.get(request_id)
         if stream is None or not self.abort(request_id):
             return False
+        streams = [stream]
+        for i in range(1, self.settings.max_n):  # the other choices of an n > 1 request
+            sibling = live.get(f"{request_id}~{i}")
+            if sibling is None:
+                continue
+            self.abort(sibling.request_id)
+            streams.append(sibling)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stream.ended(), CANCEL_TIMEOUT)
+            await asyncio.wait_for(asyncio.gather(*(s.ended() for s in streams)), CANCEL_TIMEOUT)
         return True
 
     def slots(self) -> list[dict[str, object]]:

@@ -130,7 +130,7 @@ async def test_unknown_model_is_404_and_bad_fields_are_400(make_client: ClientFa
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         r = await client.post("/v1/chat/completions", json={"messages": []})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-        r = await client.post("/v1/completions", json={"prompt": "x", "n": 2})
+        r = await client.post("/v1/completions", json={"prompt": "x", "n": 17})  # --max-n 16
         assert r.status_code == 400 and r.json()["error"]["param"] == "n"
 
 

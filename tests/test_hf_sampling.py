@@ -166,3 +166,17 @@ async def test_bans_allow_lists_and_min_tokens_reach_the_real_model(tiny: Path) 
             json=base | {"stream": False, "repetition_penalty": 2.0, "frequency_penalty": 2.0},
         )
         assert penalized.status_code == 200 and len(penalized.json()["tokens"]) == 6
+
+
+async def test_n_choices_draw_with_seed_plus_i(tiny: Path) -> None:
+    """Choice i of a seeded request is the request with seed + i, whatever shares its batch."""
+    prompt = [5, 17, 42, 99]
+    async with real_client(tiny) as client:
+        base = {"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "ignore_eos": True}
+        both = (await client.post("/v1/completions", json=base | {"n": 2, "seed": 3})).json()
+        alone = [
+            (await client.post("/v1/completions", json=base | {"seed": seed})).json()
+            for seed in (3, 4)
+        ]
+    assert [c["text"] for c in both["choices"]] == [a["choices"][0]["text"] for a in alone]
+    assert both["usage"]["completion_tokens"] == 12

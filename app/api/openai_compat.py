@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -89,11 +91,19 @@ class Run:
     """One OpenAI request in flight: its engine stream and its text post-processing."""
 
     id: str
-    stream: RequestStream
+    stream: RequestStream  # choice 0's (the prompt's facts: length, prompt log probabilities)
     matcher: StopStringMatcher
     created: int
     text: TokenText  # each token's text (log probabilities)
     top: int | None = None  # alternatives per token when log probabilities were asked for
+    streams: list[RequestStream] = dataclasses.field(default_factory=list)  # one per choice
+    matchers: list[StopStringMatcher] = dataclasses.field(default_factory=list)
+
+    def abort(self, serving: Serving) -> None:
+        """End every choice still running (client gone)."""
+        for stream in self.streams:
+            if stream.seq.finish_reason is None:
+                serving.abort(stream.request_id)
 
 
 @dataclass
@@ -105,6 +115,7 @@ class Piece:
     reason: str | None
     tokens: list[int]
     logprobs: list[Logprobs | None] | None = None
+    index: int = 0  # the choice it belongs to (n > 1)
 
 
 def _start(
@@ -130,32 +141,104 @@ def _start(
         sampling=body.sampling(), bad_words=body.bad_words or [],
         user=key_name if key_name is not None else body.user, key_name=key_name,
     )  # fmt: skip
+    n = _choices(body, serving)
     stream = faults.submit(
         request, serving, params, streaming=bool(body.stream), id_prefix=prefix, model=body.model
     )
-    matcher = StopStringMatcher(stops, params.sampling.min_tokens)
+    streams = [stream, *_fan_out(serving, params, stream, n)]
+    matchers = [StopStringMatcher(stops, params.sampling.min_tokens) for _ in streams]
     text = TokenText(serving.tokenizer)
     top = body.top_logprobs_asked()
-    return Run(stream.request_id, stream, matcher, int(time.time()), text, top)
+    created = int(time.time())
+    return Run(stream.request_id, stream, matchers[0], created, text, top, streams, matchers)
 
 
-async def _texts(run: Run, serving: Serving) -> AsyncIterator[Piece]:
-    """The reply's pieces. The engine ends a request at the step whose tokens complete a stop
-    string; here the text is cut right before it."""
+def _choices(body: OpenAIParams, serving: Serving) -> int:
+    """``n`` checked against ``--max-n`` (``best_of`` may only repeat it)."""
+    n = body.n or 1
+    if n > serving.settings.max_n:
+        raise APIError(400, f"n ({n}) exceeds this server's --max-n ({serving.settings.max_n})",
+                       param="n", code="invalid_value")  # fmt: skip
+    if body.best_of is not None and body.best_of != n:
+        raise APIError(400, "best_of must equal n (no server-side ranking of choices)",
+                       param="best_of", code="unsupported_parameter")  # fmt: skip
+    return n
+
+
+def _fan_out(
+    serving: Serving, params: GenerationParams, first: RequestStream, n: int
+) -> list[RequestStream]:
+    """Choices 1 .. n-1 of a request as requests of their own (ids ``<id>~<i>``, seeds
+    ``seed + i`` when seeded); if one is refused, the others are aborted."""
+    if n == 1 or first.seq.finish_reason is not None:  # (an injected failure: no choices)
+        return []
+    seed = params.sampling.seed
+    streams: list[RequestStream] = []
+    try:
+        for i in range(1, n):
+            sampling = dataclasses.replace(params.sampling, seed=None if seed is None else seed + i)
+            sibling = dataclasses.replace(
+                params, request_id=f"{first.request_id}~{i}", sampling=sampling
+            )
+            streams.append(serving.submit(sibling))
+    except BaseException:
+        for stream in [first, *streams]:
+            serving.abort(stream.request_id)
+        raise
+    return streams
+
+
+async def _texts(run: Run, serving: Serving, index: int = 0) -> AsyncIterator[Piece]:
+    """Choice ``index``'s pieces. The engine ends a request at the step whose tokens complete a
+    stop string; here the text is cut right before it."""
     decoder = serving.tokenizer.stream_decoder()
-    async for delta in run.stream:
-        text = run.matcher.feed_tokens(decoder, delta.tokens)
-        if run.matcher.hit:
-            yield Piece(text, FinishReason.STOP.value, delta.tokens, delta.logprobs)
+    stream, matcher = run.streams[index], run.matchers[index]
+    async for delta in stream:
+        text = matcher.feed_tokens(decoder, delta.tokens)
+        if matcher.hit:
+            yield Piece(text, FinishReason.STOP.value, delta.tokens, delta.logprobs, index)
             return
         if delta.finish_reason is FinishReason.ERROR:
-            raise _ModelFailed(run.stream)
+            raise _ModelFailed(stream)
         if delta.finish_reason is not None:
-            text += run.matcher.feed(decoder.flush()) + run.matcher.flush()
-            yield Piece(text, delta.finish_reason.value, delta.tokens, delta.logprobs)
+            text += matcher.feed(decoder.flush()) + matcher.flush()
+            yield Piece(text, delta.finish_reason.value, delta.tokens, delta.logprobs, index)
             return
         if text or (delta.tokens and delta.logprobs is not None):
-            yield Piece(text, None, delta.tokens, delta.logprobs)
+            yield Piece(text, None, delta.tokens, delta.logprobs, index)
+
+
+async def _all_texts(run: Run, serving: Serving) -> AsyncIterator[Piece]:
+    """Every choice's pieces, as they come (one choice: its pieces directly)."""
+    if len(run.streams) == 1:
+        async for piece in _texts(run, serving):
+            yield piece
+        return
+    queue: asyncio.Queue[Piece | Exception | None] = asyncio.Queue()
+
+    async def pump(index: int) -> None:
+        try:
+            async for piece in _texts(run, serving, index):
+                queue.put_nowait(piece)
+        except Exception as err:
+            queue.put_nowait(err)
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(run.streams))]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 class _ModelFailed(Exception):
@@ -163,12 +246,14 @@ class _ModelFailed(Exception):
         super().__init__(model_failed_message(stream.seq.error))
 
 
-def _usage(stream: RequestStream) -> dict[str, int]:
-    seq = stream.seq
+def _usage(run: Run) -> dict[str, int]:
+    """The prompt once, every choice's generated tokens."""
+    prompt = run.stream.seq.prompt_len
+    generated = sum(stream.seq.num_generated for stream in run.streams)
     return {
-        "prompt_tokens": seq.prompt_len,
-        "completion_tokens": seq.num_generated,
-        "total_tokens": seq.prompt_len + seq.num_generated,
+        "prompt_tokens": prompt,
+        "completion_tokens": generated,
+        "total_tokens": prompt + generated,
     }
 
 
@@ -178,25 +263,29 @@ async def _respond(
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _stream_chunks(run, serving, shape, usage)
-        return sse_response(chunks, run.stream, serving)
-    abort = lambda: serving.abort(run.id)  # noqa: E731
-    whole = await until_disconnected(request, _collect(run, serving), abort)
-    return JSONResponse(shape.whole(whole, _usage(run.stream), run.created))
+        return sse_response(chunks, run.streams, serving)
+    abort = lambda: run.abort(serving)  # noqa: E731
+    wholes = await until_disconnected(request, _collect(run, serving), abort)
+    return JSONResponse(shape.whole(wholes, _usage(run), run.created))
 
 
-async def _collect(run: Run, serving: Serving) -> Piece:
-    """The whole reply as one piece."""
-    whole = Piece("", None, [], [] if run.top is not None else None)
+async def _collect(run: Run, serving: Serving) -> list[Piece]:
+    """The whole reply: one piece per choice."""
+    wholes = [
+        Piece("", None, [], [] if run.top is not None else None, i) for i in range(len(run.streams))
+    ]
     try:
-        async for piece in _texts(run, serving):
+        async for piece in _all_texts(run, serving):
+            whole = wholes[piece.index]
             whole.text += piece.text
             whole.reason = piece.reason
             whole.tokens += piece.tokens
             if whole.logprobs is not None:
                 whole.logprobs += piece.logprobs or [None] * len(piece.tokens)
     except _ModelFailed as err:
+        run.abort(serving)
         raise APIError(500, str(err), "server_error", code="model_error") from err
-    return whole
+    return wholes
 
 
 async def _stream_chunks(
@@ -205,13 +294,14 @@ async def _stream_chunks(
     for first in shape.opening(run.created):
         yield sse_event(None, first)
     try:
-        async for piece in _texts(run, serving):
+        async for piece in _all_texts(run, serving):
             yield sse_event(None, shape.chunk(piece, run.created))
     except _ModelFailed as err:
+        run.abort(serving)
         yield sse_event(None, error_body(str(err), "server_error", None, "model_error"))
         return
     if include_usage:
-        yield sse_event(None, shape.usage_chunk(_usage(run.stream), run.created))
+        yield sse_event(None, shape.usage_chunk(_usage(run), run.created))
     yield DONE
 
 
@@ -231,8 +321,9 @@ class Shape:
     def opening(self, created: int) -> list[dict[str, Any]]:
         return []
 
-    def whole(self, piece: Piece, usage: dict[str, int], created: int) -> dict[str, Any]:
-        return self.envelope(self.object_whole, created, [self.choice(piece)]) | {"usage": usage}
+    def whole(self, pieces: list[Piece], usage: dict[str, int], created: int) -> dict[str, Any]:
+        choices = [self.choice(piece) for piece in pieces]
+        return self.envelope(self.object_whole, created, choices) | {"usage": usage}
 
     def chunk(self, piece: Piece, created: int) -> dict[str, Any]:
         return self.envelope(self.object_chunk, created, [self.delta(piece)])
@@ -252,25 +343,28 @@ class CompletionShape(Shape):
 
     def __init__(self, request_id: str, model: str, run: Run, echo: bool) -> None:
         super().__init__(request_id, model, run)
-        self.echo_pending = echo
-        self.first = True
-        self.logprobs = None if run.top is None else CompletionLogprobs(run.text, run.top)
+        self.echo = echo
+        self.started: set[int] = set()  # choices whose first piece was rendered
+        self.logprobs = [
+            None if run.top is None else CompletionLogprobs(run.text, run.top) for _ in run.streams
+        ]
 
     def choice(self, piece: Piece) -> dict[str, Any]:
-        seq = self.run.stream.seq
-        first, self.first = self.first, False
-        if self.echo_pending:
-            self.echo_pending = False
+        seq, index = self.run.stream.seq, piece.index
+        first = index not in self.started
+        self.started.add(index)
+        if self.echo and first:
             prompt = seq.prompt
             prompt_entries = seq.prompt_logprobs or [None] * len(prompt)
             logprobs = None if piece.logprobs is None else [*prompt_entries, *piece.logprobs]
             text = self.run.text.decode(prompt)
             piece = Piece(text + piece.text, piece.reason, [*prompt, *piece.tokens], logprobs)
-        rendered = None
-        if self.logprobs is not None:
+        rendered, renderer = None, self.logprobs[index]
+        if renderer is not None:
             entries = piece.logprobs or [None] * len(piece.tokens)
-            rendered = self.logprobs.render(piece.tokens, entries)
-        out = {"index": 0, "text": piece.text, "finish_reason": piece.reason, "logprobs": rendered}
+            rendered = renderer.render(piece.tokens, entries)
+        out = {"index": index, "text": piece.text, "finish_reason": piece.reason,
+               "logprobs": rendered}  # fmt: skip
         if first and seq.prompt_logprobs is not None:
             out["prompt_logprobs"] = prompt_logprobs(seq.prompt, seq.prompt_logprobs, self.run.text)
         return out
@@ -283,22 +377,26 @@ class ChatShape(Shape):
     object_chunk = "chat.completion.chunk"
 
     def opening(self, created: int) -> list[dict[str, Any]]:
-        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                 "logprobs": None}  # fmt: skip
-        return [self.envelope(self.object_chunk, created, [first])]
+        return [
+            self.envelope(self.object_chunk, created, [
+                {"index": i, "delta": {"role": "assistant", "content": ""},
+                 "finish_reason": None, "logprobs": None}
+            ])
+            for i in range(len(self.run.streams))
+        ]  # fmt: skip
 
     def choice(self, piece: Piece) -> dict[str, Any]:
         message = {"role": "assistant", "content": piece.text}
-        return {"index": 0, "message": message, "finish_reason": piece.reason,
+        return {"index": piece.index, "message": message, "finish_reason": piece.reason,
                 "logprobs": self._logprobs(piece)}  # fmt: skip
 
     def delta(self, piece: Piece) -> dict[str, Any]:
         content = {"content": piece.text} if piece.text else {}
-        return {"index": 0, "delta": content, "finish_reason": piece.reason,
+        return {"index": piece.index, "delta": content, "finish_reason": piece.reason,
                 "logprobs": self._logprobs(piece)}  # fmt: skip
 
-    def whole(self, piece: Piece, usage: dict[str, int], created: int) -> dict[str, Any]:
-        out = super().whole(piece, usage, created)
+    def whole(self, pieces: list[Piece], usage: dict[str, int], created: int) -> dict[str, Any]:
+        out = super().whole(pieces, usage, created)
         seq = self.run.stream.seq
         if seq.prompt_logprobs is not None:  # vLLM's field, next to the choices
             out["prompt_logprobs"] = prompt_logprobs(seq.prompt, seq.prompt_logprobs, self.run.text)

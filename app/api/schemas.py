@@ -112,7 +112,6 @@ class StreamOptions(BaseModel):
 
 NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
     "suffix": (None, ""),
-    "best_of": (None, 1),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
@@ -133,7 +132,8 @@ class OpenAIParams(SamplingFields):
     stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=16)] | None = None
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
     ignore_eos: StrictBool = False
-    n: Literal[1] | None = 1
+    n: Annotated[StrictInt, Field(ge=1)] | None = Field(1, description="choices (--max-n)")
+    best_of: Annotated[StrictInt, Field(ge=1)] | None = Field(None, description="must equal n")
     priority: Priority = Field(0, description="vLLM's extension: lower runs first")
     user: UserName | None = None
     prompt_logprobs: TopLogprobs | None = Field(None, description="vLLM's: per prompt token")
@@ -142,7 +142,6 @@ class OpenAIParams(SamplingFields):
     # server cannot honour them, so a value other than the neutral one is refused (see
     # ``unsupported``) rather than silently answered without them.
     suffix: object = None
-    best_of: object = None
     tools: object = None
     tool_choice: object = None
     functions: object = None
