@@ -28,8 +28,8 @@ def _task_folder(tmp_path: Path) -> Path:
 
 
 def _evaluate(model: str, model_args: dict[str, Any], tasks: Path) -> list[dict[str, Any]]:
-    import lm_eval
-    from lm_eval.tasks import TaskManager
+    import lm_eval  # type: ignore[import-untyped]
+    from lm_eval.tasks import TaskManager  # type: ignore[import-untyped]
 
     result = lm_eval.simple_evaluate(
         model=model,
