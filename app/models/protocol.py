@@ -23,7 +23,7 @@ model's: a model computes and returns as fast as it can.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 
@@ -55,6 +55,13 @@ class SamplingParams:
     # the sampled token's only); of each prompt token after the first, plus alternatives.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # derived once (the engine reads it for every row of a changed batch)
+    plain: bool = field(default=True, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        """``plain``: no processor, no log probabilities: the model only samples."""
+        plain = not self.processes_logits and self.logprobs is None and self.prompt_logprobs is None
+        object.__setattr__(self, "plain", plain)
 
     @property
     def is_default(self) -> bool:
@@ -72,11 +79,6 @@ class SamplingParams:
             or bool(self.bad_words)
             or self.allowed_token_ids is not None
         )
-
-    @property
-    def plain(self) -> bool:
-        """No processor, no log probabilities: the model only samples (the fast path)."""
-        return not self.processes_logits and self.logprobs is None and self.prompt_logprobs is None
 
     @property
     def constrains_choice(self) -> bool:
