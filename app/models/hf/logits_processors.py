@@ -16,7 +16,8 @@ written back), in this order:
 4. ``allowed_token_ids``: every other token -inf.
 
 A row's token history (``TokenHistory``) is read where it lives (the engine's token list); the
-penalties count it per step (O(tokens) per penalized row).
+penalties count it per step and touch only the entries it holds (O(tokens) per penalized row,
+not O(vocabulary)).
 """
 
 from __future__ import annotations
@@ -54,34 +55,29 @@ def _penalized(p: SamplingParams) -> bool:
 
 
 def _penalties(logits: torch.Tensor, rows: Rows) -> None:
+    """Touches only the (row, token) entries a history holds: O(history), not O(vocabulary)."""
     if not rows:
         return
-    device, vocab = logits.device, logits.shape[1]
+    device, vocab, dtype = logits.device, logits.shape[1], logits.dtype
     index = torch.tensor([i for i, _, _ in rows], device=device)
-    outputs, seen_rows, seen_ids, out_rows, out_ids = [], [], [], [], []
+    seen_keys, out_keys = [], []
     for k, (_, _, history) in enumerate(rows):
         assert history is not None
-        tokens, start = history.tokens, history.prompt_len
-        outputs.append(len(tokens) - start)
-        seen_rows.append(torch.full((len(tokens),), k, dtype=torch.long))
-        seen_ids.append(torch.tensor(tokens, dtype=torch.long))
-        out_rows.append(torch.full((len(tokens) - start,), k, dtype=torch.long))
-        out_ids.append(torch.tensor(tokens[start:], dtype=torch.long))
-    dtype = logits.dtype
-    counts = torch.zeros(len(rows), vocab, device=device, dtype=dtype)
-    counts.index_put_(
-        (torch.cat(out_rows).to(device), torch.cat(out_ids).to(device)),
-        torch.ones(sum(outputs), device=device, dtype=dtype),
-        accumulate=True,
-    )
-    seen = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
-    seen[torch.cat(seen_rows).to(device), torch.cat(seen_ids).to(device)] = True
-    rep = _column([p.repetition_penalty for _, p, _ in rows], logits)
-    freq = _column([p.frequency_penalty for _, p, _ in rows], logits)
-    pres = _column([p.presence_penalty for _, p, _ in rows], logits)
+        keys = torch.tensor(history.tokens, dtype=torch.long) + k * vocab
+        seen_keys.append(keys)
+        out_keys.append(keys[history.prompt_len :])
+    seen = torch.unique(torch.cat(seen_keys)).to(device)
+    output, counts = torch.unique(torch.cat(out_keys), return_counts=True)
+    output, counts = output.to(device), counts.to(device=device, dtype=dtype)
+    rep = _column([p.repetition_penalty for _, p, _ in rows], logits).squeeze(1)
+    freq = _column([p.frequency_penalty for _, p, _ in rows], logits).squeeze(1)
+    pres = _column([p.presence_penalty for _, p, _ in rows], logits).squeeze(1)
     sub = logits.index_select(0, index)
-    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    sub -= freq * counts + pres * (counts > 0).to(dtype)
+    flat = sub.view(-1)
+    values, factor = flat[seen], rep[seen // vocab]
+    flat[seen] = torch.where(values > 0, values / factor, values * factor)
+    owner = output // vocab
+    flat.index_add_(0, output, -(freq[owner] * counts + pres[owner]))
     logits.index_copy_(0, index, sub)
 
 
@@ -131,11 +127,8 @@ def _allow(logits: torch.Tensor, rows: Rows) -> None:
     if not rows:
         return
     device = logits.device
-    pairs = [(k, token) for k, (_, p, _) in enumerate(rows) for token in p.allowed_token_ids or ()]
     keep = torch.zeros(len(rows), logits.shape[1], dtype=torch.bool, device=device)
-    keep[
-        torch.tensor([k for k, _ in pairs], device=device),
-        torch.tensor([t for _, t in pairs], device=device),
-    ] = True
+    for k, (_, p, _) in enumerate(rows):
+        keep[k, torch.tensor(p.allowed_token_ids or (), dtype=torch.long, device=device)] = True
     index = torch.tensor([i for i, _, _ in rows], device=device)
     logits.index_copy_(0, index, logits.index_select(0, index).masked_fill(~keep, float("-inf")))
