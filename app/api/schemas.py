@@ -48,7 +48,6 @@ Bias = Annotated[float, Field(ge=-100, le=100)]
 TopLogprobs = Annotated[StrictInt, Field(ge=0, le=20)]
 MAX_LOGIT_BIAS = 1024  # entries
 MAX_BAD_WORDS = 64
-_PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 class SamplingFields(BaseModel):
@@ -58,8 +57,8 @@ class SamplingFields(BaseModel):
     temperature: Annotated[float, Field(ge=0, le=100)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[StrictInt, Field(ge=-1)] | None = Field(None, description="-1 or 0: off")
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = Field(None, description="0: off")
     seed: StrictInt | None = Field(None, description="same seed, same tokens, whatever the batch")
-    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = None
@@ -75,6 +74,7 @@ class SamplingFields(BaseModel):
             "top_p": 1.0 if self.top_p is None else self.top_p,
             "top_k": max(0, self.top_k or 0),
             "seed": self.seed,
+            "min_p": 0.0 if self.min_p is None else self.min_p,
             "frequency_penalty": self.frequency_penalty or 0.0,
             "presence_penalty": self.presence_penalty or 0.0,
             "repetition_penalty": self.repetition_penalty or 1.0,
@@ -86,8 +86,6 @@ class SamplingFields(BaseModel):
                 else tuple(sorted(set(self.allowed_token_ids)))
             ),
         }
-        if self.min_p and "min_p" in _PARAM_FIELDS:  # SamplingParams.min_p: the vectorized sampler
-            fields["min_p"] = self.min_p
         return SamplingParams(**fields)
 
 
