@@ -19,11 +19,14 @@ from app.api.logprobs import CompletionLogprobs, TokenText, chat_content, prompt
 from app.api.native import ERROR_RESPONSES, flag_ignored_priority
 from app.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIParams
 from app.api.streaming import sse_event, sse_response, until_disconnected
+from app.api.structured import requested_constraint
+from app.api.tools import ToolDeltas, ToolPlan, chat_prompt, tool_plan, whole_message
 from app.engine.stop_strings import StopStringMatcher
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason
 from app.models.protocol import Logprobs
 from app.serving import GenerationParams, Serving
+from app.structured.constraint import Constraint
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 DONE = b"data: [DONE]\n\n"
@@ -59,7 +62,9 @@ async def completions(
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, serving: ServingDep, key_name: KeyNameDep
 ) -> Response:
-    ids = serving.tokenizer.chat_prompt([(m.role, m.text()) for m in body.messages])
+    plan = tool_plan(body, serving)
+    ids = chat_prompt(body.messages, plan, serving)
+    constraint = _tool_constraint(body, plan)
     # max_completion_tokens replaces the deprecated max_tokens; it wins when both are set
     max_tokens = (
         body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
@@ -67,10 +72,27 @@ async def chat_completions(
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs",
                        code="invalid_value")  # fmt: skip
-    run = _start(request, serving, body, ids, max_tokens, "chatcmpl", key_name)
-    shape = ChatShape(run.id, serving.settings.model_name, run)
+    run = _start(request, serving, body, ids, max_tokens, "chatcmpl", key_name, constraint)
+    name = serving.settings.model_name
+    shape = ChatShape(run.id, name, run) if plan is None else ToolChatShape(run.id, name, run, plan)
     response = await _respond(run, body, request, serving, shape)
     return flag_ignored_priority(response, serving, body.priority)
+
+
+def _tool_constraint(
+    body: ChatCompletionRequest, plan: ToolPlan | None
+) -> tuple[Constraint | None, str] | None:
+    """The grammar of a ``required`` or named tool choice, which ``response_format`` and
+    ``structured_outputs`` cannot be combined with (None: the request's own, if any)."""
+    constraint = plan.constraint() if plan is not None else None
+    if constraint is None:
+        return None
+    for field in ("response_format", "structured_outputs"):
+        value = getattr(body, field)
+        if value is not None and getattr(value, "type", None) != "text":
+            raise APIError(400, f"{field} cannot be combined with a tool_choice that forces a "
+                           "tool call", param=field, code="invalid_request")  # fmt: skip
+    return constraint, "tools"
 
 
 def completion_prompt_ids(body: CompletionRequest, serving: Serving) -> list[int]:
@@ -126,20 +148,25 @@ def _start(
     max_tokens: int | None,
     prefix: str,
     key_name: str | None,
+    constraint: tuple[Constraint | None, str] | None = None,
 ) -> Run:
     if body.model is not None and body.model != serving.settings.model_name:
         raise model_not_found(body.model, serving.settings.model_name)
     unsupported = body.unsupported()
     if unsupported is not None:
         raise APIError(400, f"{unsupported} is not supported by this server (the mock has no "
-                       "log-probabilities, tools or structured output); leave it unset",
+                       "log-probabilities or tools); leave it unset",
                        param=unsupported, code="unsupported_parameter")  # fmt: skip
     stops = body.stop_strings()
+    if constraint is None:
+        constraint = requested_constraint(body.response_format, body.structured_outputs)
+    grammar, grammar_param = constraint
     params = GenerationParams(
         prompt=ids, max_tokens=max_tokens, stop_token_ids=body.stop_token_ids,
         stop_strings=stops, ignore_eos=body.ignore_eos, priority=body.priority,
         sampling=body.sampling(), bad_words=body.bad_words or [],
         user=key_name if key_name is not None else body.user, key_name=key_name,
+        constraint=grammar, constraint_param=grammar_param,
     )  # fmt: skip
     n = _choices(body, serving)
     stream = faults.submit(
@@ -295,7 +322,8 @@ async def _stream_chunks(
         yield sse_event(None, first)
     try:
         async for piece in _all_texts(run, serving):
-            yield sse_event(None, shape.chunk(piece, run.created))
+            for chunk in shape.chunks(piece, run.created):
+                yield sse_event(None, chunk)
     except _ModelFailed as err:
         run.abort(serving)
         yield sse_event(None, error_body(str(err), "server_error", None, "model_error"))
@@ -327,6 +355,10 @@ class Shape:
 
     def chunk(self, piece: Piece, created: int) -> dict[str, Any]:
         return self.envelope(self.object_chunk, created, [self.delta(piece)])
+
+    def chunks(self, piece: Piece, created: int) -> list[dict[str, Any]]:
+        """The stream chunks for one piece of the reply."""
+        return [self.chunk(piece, created)]
 
     def usage_chunk(self, usage: dict[str, int], created: int) -> dict[str, Any]:
         return self.envelope(self.object_chunk, created, []) | {"usage": usage}
@@ -408,3 +440,28 @@ class ChatShape(Shape):
         entries = piece.logprobs or [None] * len(piece.tokens)
         return {"content": chat_content(piece.tokens, entries, self.run.text, self.run.top),
                 "refusal": None}  # fmt: skip
+
+
+class ToolChatShape(ChatShape):
+    """A chat reply that may call tools (app/api/tools.py): ``message.tool_calls`` and
+    ``finish_reason: "tool_calls"``, streamed as OpenAI streams calls (per choice)."""
+
+    def __init__(self, request_id: str, model: str, run: Run, plan: ToolPlan) -> None:
+        super().__init__(request_id, model, run)
+        self.plan = plan
+        self.deltas = [ToolDeltas(plan) for _ in run.streams]
+
+    def choice(self, piece: Piece) -> dict[str, Any]:
+        message, reason = whole_message(piece.text, piece.reason, self.plan)
+        return {"index": piece.index, "message": message, "finish_reason": reason,
+                "logprobs": self._logprobs(piece)}  # fmt: skip
+
+    def chunks(self, piece: Piece, created: int) -> list[dict[str, Any]]:
+        logprobs = self._logprobs(piece)
+        out = []
+        for delta, end in self.deltas[piece.index].feed(piece.text, piece.reason):
+            choice = {"index": piece.index, "delta": delta, "finish_reason": end,
+                      "logprobs": logprobs}  # fmt: skip
+            logprobs = None  # once per piece
+            out.append(self.envelope(self.object_chunk, created, [choice]))
+        return out

@@ -18,6 +18,8 @@ from pydantic import (
     model_validator,
 )
 
+from app.api.structured import ResponseFormat, StructuredOutputs
+from app.api.tools import MessageToolCall, ToolChoiceField, ToolDef
 from app.models.protocol import SamplingParams
 
 
@@ -110,11 +112,8 @@ class StreamOptions(BaseModel):
 
 NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -140,11 +139,11 @@ class OpenAIParams(SamplingFields):
     # server cannot honour them, so a value other than the neutral one is refused (see
     # ``unsupported``) rather than silently answered without them.
     suffix: object = None
-    tools: object = None
-    tool_choice: object = None
     functions: object = None
     function_call: object = None
-    response_format: object = None
+    # structured outputs (app/api/structured.py): OpenAI's and vLLM's request fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def unsupported(self) -> str | None:
         """The first field set to a value this server cannot honour, or None."""
@@ -209,6 +208,8 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Text | list[ContentPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls (app/api/tools.py)
+    tool_call_id: StrictStr | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -221,6 +222,9 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(OpenAIParams):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
+    tool_choice: ToolChoiceField | None = None
+    parallel_tool_calls: StrictBool | None = None
     logprobs: StrictBool | None = False
     top_logprobs: TopLogprobs | None = None
 

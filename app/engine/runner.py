@@ -3,6 +3,7 @@ what comes back. This is the only code that talks to a model; it never changes s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Protocol
 
@@ -12,10 +13,12 @@ from app.engine.types import Sequence
 from app.models.protocol import (
     CachedModel,
     Model,
+    PrefillChunk,
     SamplingParams,
     StatelessModel,
     StepBatch,
     StepResult,
+    applies_token_masks,
 )
 
 log = logging.getLogger("slotserve.engine")
@@ -51,6 +54,7 @@ class StatelessRunner:
         self.pad_sequence = pad_sequence
         self._decodes: list[Sequence] = []  # the previous step's decode list and its inputs:
         self._inputs: list[list[int]] = []  # while it is unchanged, the same lists serve again
+        self._constrained = ConstrainedRows()
         self._plain = True  # every one of those decodes samples plainly
         self._sampled = getattr(model, "next_tokens_for", None)
 
@@ -65,10 +69,15 @@ class StatelessRunner:
         if not inputs:
             return ModelOutput([])
         if not plain and self._sampled is not None:
-            return model_output(self._sampled(seqs), len(seqs))
-        if self.pad_sequence is not None:
-            return ModelOutput(self._padded(seqs, inputs))
-        return ModelOutput(checked_tokens(self.model.next_tokens(inputs), len(inputs)))
+            output = model_output(self._sampled(seqs), len(seqs))
+        elif self.pad_sequence is not None:
+            output = ModelOutput(self._padded(seqs, inputs))
+        else:
+            output = ModelOutput(checked_tokens(self.model.next_tokens(inputs), len(inputs)))
+        rows = self._constrained.rows(out.decode_seqs, seqs[len(out.decode_seqs) :])
+        if rows:
+            output = dataclasses.replace(output, tokens=obeyed(output.tokens, rows))
+        return output
 
     def close(self) -> None:
         self._decodes, self._inputs, self._plain = [], [], True
@@ -110,8 +119,19 @@ class CachedRunner:
         self._dirty: set[int] = set()  # assigned slots whose release raised
         self._decodes: list[Sequence] = []  # the previous step's decode list and the model-
         self._columns: tuple[list[int], list[SamplingParams], list[str]] = ([], [], [])
+        self._constrained = ConstrainedRows()
+        self._masks = applies_token_masks(model)
         self._plain = True  # every one of those decodes samples plainly
         self._sampled = getattr(model, "step_sampled", None)
+
+    def _sampling_prefills(self, out: SchedulerOutput, run: list[PrefillChunk]) -> list[Sequence]:
+        """The requests of the chunks in ``run`` that sample, in order (their output rows)."""
+        ran = {id(chunk) for chunk in run}
+        return [
+            seq
+            for seq, chunk in zip(out.prefill_seqs, out.prefills, strict=True)
+            if chunk.sample and id(chunk) in ran
+        ]
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         for slot in [*out.released, *self._dirty]:
@@ -124,10 +144,23 @@ class CachedRunner:
             prefills = [c for c in prefills if not (c.fresh and c.slot in self._dirty)]
         self._assigned.update(chunk.slot for chunk in prefills if chunk.fresh)
         slots, sampling, ids = self._columns_for(out.decode_seqs)
-        batch = StepBatch(slots, out.decode_tokens, sampling, ids, prefills, out.decode_seqs)
+        sampled = self._sampling_prefills(out, prefills) if prefills else []
+        rows = self._constrained.rows(out.decode_seqs, sampled)
+        masks: list[bytes | None] = []
+        if rows and self._masks:
+            masks = [None] * (len(out.decode_seqs) + len(sampled))
+            for index, seq in rows:
+                masks[index] = seq.constraint.mask() if seq.constraint is not None else None
+        batch = StepBatch(slots, out.decode_tokens, sampling, ids, prefills,
+                          decode_histories=out.decode_seqs, token_masks=masks)  # fmt: skip
         plain = self._plain and all(chunk.sampling.plain for chunk in prefills)
         step = self.model.step if plain or self._sampled is None else self._sampled
-        return model_output(step(batch), batch.num_outputs, frozenset(self._dirty))
+        output = model_output(step(batch), batch.num_outputs, frozenset(self._dirty))
+        if masks:
+            checked_masked(output.tokens, masks)
+        elif rows:
+            output = dataclasses.replace(output, tokens=obeyed(output.tokens, rows))
+        return output
 
     def close(self) -> None:
         for slot in sorted(self._assigned):
@@ -164,6 +197,49 @@ class CachedRunner:
         if self._dirty:
             self._dirty.discard(slot)
             log.info("slot %d was reset and is back in service", slot)
+
+
+class ConstrainedRows:
+    """The output rows of a step whose request has a grammar (``Sequence.constraint``), as
+    (row, request) pairs. The decode part is recomputed only when the decode list changes (the
+    scheduler hands out the same list while it does not), so a step with no constrained
+    request pays one identity check."""
+
+    def __init__(self) -> None:
+        self._decodes: list[Sequence] = []
+        self._rows: list[tuple[int, Sequence]] = []
+
+    def rows(self, decodes: list[Sequence], sampled: list[Sequence]) -> list[tuple[int, Sequence]]:
+        if decodes is not self._decodes:
+            self._decodes = decodes
+            self._rows = [(i, seq) for i, seq in enumerate(decodes) if seq.constraint is not None]
+        if not any(seq.constraint is not None for seq in sampled):
+            return self._rows
+        base = len(decodes)
+        extra = [(base + i, seq) for i, seq in enumerate(sampled) if seq.constraint is not None]
+        return [*self._rows, *extra]
+
+
+def obeyed(tokens: list[int], rows: list[tuple[int, Sequence]]) -> list[int]:
+    """``tokens`` with each constrained row's token made to obey its grammar (for a model that
+    cannot apply masks: ``TokenConstraint.choose``)."""
+    tokens = list(tokens)
+    for index, seq in rows:
+        if seq.constraint is not None:
+            tokens[index] = seq.constraint.choose(tokens[index])
+    return tokens
+
+
+def checked_masked(tokens: list[int], masks: list[bytes | None]) -> list[int]:
+    """``tokens``, or ``ModelOutputError`` if a masked row's token is not allowed by its mask."""
+    for index, (token, mask) in enumerate(zip(tokens, masks, strict=True)):
+        if mask is not None and not (
+            token >> 3 < len(mask) and mask[token >> 3] >> (token & 7) & 1
+        ):
+            raise ModelOutputError(
+                f"model sampled token {token} at row {index}, which its mask forbids"
+            )
+    return tokens
 
 
 def close_quietly(runner: ModelRunner) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from app.engine.errors import ModelOutputError
 from app.engine.kv_books import KVBooks
 from app.engine.policies import FCFS, Policy, PolicyConfig, make_policy
 from app.engine.prefix_cache import CachedBlock, PrefixCache
@@ -406,7 +407,12 @@ class Scheduler:
         for i, (seq, token) in enumerate(zip(seqs, tokens, strict=False)):
             if seq.status is not running:
                 skipped += 1  # aborted or preempted while the model ran: its token is dropped
-            elif token in seq.stop_token_ids or len(seq.tokens) + 1 >= seq.token_limit or seq.slow:
+            elif (
+                token in seq.stop_token_ids
+                or len(seq.tokens) + 1 >= seq.token_limit
+                or seq.slow
+                or seq.constraint is not None
+            ):
                 logprob = None if logprobs is None else logprobs[i]
                 dropped += self._append(seq, token, now, finished, logprob)  # every end rule
             else:
@@ -451,13 +457,19 @@ class Scheduler:
         logprob: Logprobs | None = None,
     ) -> int:
         """Append ``token`` (and its log probabilities, if asked for) and apply the end rules:
-        a stop token (kept only with ``include_stop``), a stop string, ``max_tokens``. Before
-        ``min_tokens`` tokens were generated, a stop token is an ordinary token (the model should
-        not have sampled it) and stop strings do not match (``StopStrings`` counts). A request
-        with ``max_tokens == 0`` (it ran only for its prompt log probabilities) keeps nothing.
-        Returns 1 if the token was left out of the output, else 0."""
+        a stop token (kept only with ``include_stop``), a stop string, ``max_tokens``, the end
+        of its grammar. Before ``min_tokens`` tokens were generated, a stop token is an ordinary
+        token (the model should not have sampled it) and stop strings do not match
+        (``StopStrings`` counts). A request with ``max_tokens == 0`` (it ran only for its prompt
+        log probabilities) keeps nothing. Returns 1 if the token was left out of the output (a
+        stop token, or a token its grammar refused), else 0."""
         if seq.max_tokens == 0:
             self._finish(seq, FinishReason.LENGTH, now)
+            finished.append(seq)
+            return 1
+        if seq.constraint is not None and not seq.constraint.accept(token):
+            seq.error = ModelOutputError(f"token {token} is not allowed by the request's grammar")
+            self._finish(seq, FinishReason.ERROR, now)
             finished.append(seq)
             return 1
         if token in seq.stop_token_ids and seq.num_generated >= seq.sampling.min_tokens:
@@ -477,6 +489,8 @@ class Scheduler:
                 reason = FinishReason.STOP
             elif len(seq.tokens) >= seq.token_limit:
                 reason = FinishReason.LENGTH
+            elif seq.constraint is not None and seq.constraint.finished:
+                reason = FinishReason.STOP  # its grammar ended on a token that is no stop token
             else:
                 return 0
         self._finish(seq, reason, now)
@@ -503,6 +517,7 @@ class Scheduler:
     def _close(self, seq: Sequence, reason: FinishReason, now: float) -> None:
         seq.status = RequestStatus.FINISHED
         seq.finish_reason = reason
+        seq.constraint = None  # its grammar state is freed with the request
         seq.times.finished = now
 
     def _requeue(self, seq: Sequence, status: RequestStatus, now: float) -> None:

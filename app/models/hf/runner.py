@@ -7,6 +7,8 @@ token per decode slot and per chunk that completes a prefill.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from app.models.hf import logits_processors, logprobs
@@ -14,6 +16,7 @@ from app.models.hf.attention import StepLayout
 from app.models.hf.kv_cache import KVCache
 from app.models.hf.llama import LlamaForward
 from app.models.hf.sampling import Sampler
+from app.models.hf.token_mask import apply_token_masks
 from app.models.protocol import (
     Logprobs,
     PrefillChunk,
@@ -36,6 +39,7 @@ class HFModel:
     engine runs ``step`` and ``release`` in its worker thread."""
 
     blocking = True
+    applies_token_masks = True  # samples under StepBatch.token_masks (structured outputs)
 
     def __init__(self, forward: LlamaForward, sampler: Sampler) -> None:
         self._forward = forward
@@ -64,7 +68,7 @@ class HFModel:
             return []
         logits, params, positions = self._run(batch)
         with torch.inference_mode():
-            logits = self._before_sampling(logits, params, positions)
+            logits = self._before_sampling(logits, params, positions, batch.token_masks)
             return self._sampler.sample(logits, params, positions)
 
     def step_sampled(self, batch: StepBatch) -> StepResult:
@@ -83,7 +87,7 @@ class HFModel:
         with torch.inference_mode():
             rows = logits[:sampled]
             logits_processors.process(rows, params, histories)  # stage 1
-            rows = self._before_sampling(rows, params, positions)  # the later stages
+            rows = self._before_sampling(rows, params, positions, batch.token_masks)  # 2.
             tokens = self._sampler.sample(rows, params, positions)
             wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
             found = logprobs.entries(
@@ -96,14 +100,20 @@ class HFModel:
         return StepResult(tokens, per_row, prompts or None)
 
     def _before_sampling(
-        self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        positions: list[int],
+        token_masks: Sequence[bytes | None] = (),
     ) -> torch.Tensor:
         """THE place where the stages between the forward and the draw run, in this order,
         each over the float32 logits (rows, vocab) of the step's output rows and skipped
         entirely when no row needs it: 1. logits processors (penalties, logit_bias, min_tokens,
         bad_words, allowed_token_ids), 2. grammar token masks, 3. logprobs capture. Returns the
-        logits the ``Sampler`` draws from (none of these stages exists yet: unchanged)."""
+        logits the ``Sampler`` draws from. ``token_masks``: ``StepBatch.token_masks``."""
         del params, positions
+        if token_masks:  # 2. grammar token masks (structured outputs)
+            apply_token_masks(logits, token_masks)
         return logits
 
     def step_logits(self, batch: StepBatch) -> torch.Tensor:
