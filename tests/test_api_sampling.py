@@ -204,3 +204,18 @@ async def test_native_generate_takes_the_sampling_fields(make_client: ClientFact
                 "logit_bias": {str(ord("e")): -100}, "min_tokens": 20}  # fmt: skip
         result = (await client.post("/generate", json=body)).json()
         assert len(result["tokens"]) == 20 and "e" not in result["text"]
+
+
+async def test_logprobs_under_a_grammar_still_put_the_chosen_token_first(
+    make_client: ClientFactory,
+) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    json_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    body = {"messages": [MESSAGE], "max_tokens": 40, "n": 2, "logprobs": True,
+            "top_logprobs": 2, "response_format": json_schema}  # fmt: skip
+    async with make_client() as client:
+        result = (await client.post("/v1/chat/completions", json=body)).json()
+    for choice in result["choices"]:
+        content = choice["logprobs"]["content"]
+        assert "".join(entry["token"] for entry in content) == choice["message"]["content"]
+        assert all(entry["top_logprobs"][0]["token"] == entry["token"] for entry in content)

@@ -12,6 +12,7 @@ from app.engine.step import ModelOutput, SchedulerOutput
 from app.engine.types import Sequence
 from app.models.protocol import (
     CachedModel,
+    Logprobs,
     Model,
     PrefillChunk,
     SamplingParams,
@@ -76,7 +77,7 @@ class StatelessRunner:
             output = ModelOutput(checked_tokens(self.model.next_tokens(inputs), len(inputs)))
         rows = self._constrained.rows(out.decode_seqs, seqs[len(out.decode_seqs) :])
         if rows:
-            output = dataclasses.replace(output, tokens=obeyed(output.tokens, rows))
+            output = _obeyed_output(output, rows)
         return output
 
     def close(self) -> None:
@@ -159,7 +160,7 @@ class CachedRunner:
         if masks:
             checked_masked(output.tokens, masks)
         elif rows:
-            output = dataclasses.replace(output, tokens=obeyed(output.tokens, rows))
+            output = _obeyed_output(output, rows)
         return output
 
     def close(self) -> None:
@@ -228,6 +229,23 @@ def obeyed(tokens: list[int], rows: list[tuple[int, Sequence]]) -> list[int]:
         if seq.constraint is not None:
             tokens[index] = seq.constraint.choose(tokens[index])
     return tokens
+
+
+def _obeyed_output(output: ModelOutput, rows: list[tuple[int, Sequence]]) -> ModelOutput:
+    """``output`` with its constrained rows' tokens made to obey their grammars (``obeyed``);
+    a replaced token takes the place of the one it replaced in that row's log probabilities,
+    so the reported token is still the most likely (the mocks' synthetic distribution)."""
+    tokens = obeyed(output.tokens, rows)
+    logprobs = output.logprobs
+    if logprobs is not None:
+        logprobs = list(logprobs)
+        for index, _ in rows:
+            old, new, entry = output.tokens[index], tokens[index], logprobs[index]
+            if entry is not None and old != new:
+                swap = {old: new, new: old}
+                top = tuple((swap.get(t, t), lp) for t, lp in entry.top)
+                logprobs[index] = Logprobs(new, entry.logprob, top)
+    return dataclasses.replace(output, tokens=tokens, logprobs=logprobs)
 
 
 def checked_masked(tokens: list[int], masks: list[bytes | None]) -> list[int]:
