@@ -54,7 +54,16 @@ def test_lm_eval_local_completions_answers_as_its_hf_backend(
     cache = smollm2_cache_dir()
     checkpoint = smollm2_folder(cache)
     tasks = _task_folder(tmp_path)
-    flags = ["--model", "smollm2", "--model-cache-dir", str(cache), "--model-name", "smollm2"]
+    flags = [
+        "--model",
+        "smollm2",
+        "--model-cache-dir",
+        str(cache),
+        "--model-name",
+        "smollm2",
+        "--dtype",
+        "float32",
+    ]  # fmt: skip  (the hf backend's dtype below)
     with loading_server(*flags, "--num-slots", "4", "--max-model-len", "512") as (server, seen):
         assert seen[-1] == "ok"
         ours = _evaluate(
