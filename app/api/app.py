@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from sse_starlette.sse import AppStatus
 
-from app.api import admin, native, openai_compat
+from app.api import admin, native, openai_compat, tokenize
 from app.api.adapters import anthropic, responses
 from app.api.adapters.anthropic_errors import AnthropicErrors
 from app.api.adapters.responses_store import ResponseStore
@@ -56,6 +56,7 @@ def create_app(settings: Settings | None = None, model: Model | None = None) -> 
     app.include_router(native.router)
     app.include_router(openai_compat.router)
     app.include_router(admin.router)
+    app.include_router(tokenize.router)
     app.include_router(anthropic.router)
     app.include_router(responses.router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
