@@ -18,6 +18,7 @@ early by the server), ``failed``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -46,6 +47,7 @@ from app.structured.constraint import Constraint
 from app.structured.tools import ToolCall, ToolChoice, ToolMode, ToolSpec
 
 router = APIRouter(prefix="/v1", tags=["openai"])
+log = logging.getLogger("slotserve.api")
 
 
 def response_store(request: Request) -> ResponseStore:
@@ -284,14 +286,21 @@ async def _background(
     run: generation.Run, serving: Serving, shape: ResponseShape, entry: Stored,
     store: ResponseStore,
 ) -> None:  # fmt: skip
-    """Generate a background response, detached from its connection, into its entry."""
+    """Generate a background response, detached from its connection, into its entry. It
+    always ends: a failed model call (or a bug here, logged) leaves it ``failed``, and an
+    unfinished request is aborted."""
     entry.response = shape.object("in_progress")
     try:
         outcome = await generation.collect(run, serving)
-    except generation.ModelFailed as err:
+    except Exception as err:
+        if not isinstance(err, generation.ModelFailed):
+            log.exception("background response %s failed", run.id)
         entry.response = shape.failed(str(err))
         store.finished(entry)
         return
+    finally:
+        if run.stream.seq.finish_reason is None:  # cancelled from outside (shutdown)
+            serving.abort(run.id)
     cancelled = entry.cancelled and outcome.finish_reason == "abort"
     final = shape.finished(outcome, "cancelled" if cancelled else None)
     _keeper(store, entry)(final, outcome)
