@@ -144,6 +144,9 @@ class Settings(BaseSettings):
     mock_stop_probability: float = Field(
         0.01, ge=0, le=1, description="chance per token that the mock ends its output"
     )
+    mock_tool_call_probability: float = Field(
+        0.0, ge=0, le=1, description="chance that the mock calls a tool under tool_choice auto"
+    )
     seed: int = Field(
         0,
         description="seed of the mock model, the step clock's jitter and injected failures",

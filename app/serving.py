@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import random
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ from app.models.mock import MockModel
 from app.models.mock_language import MockLanguage
 from app.models.protocol import DEFAULT_SAMPLING, Model, SamplingParams
 from app.models.tokenizer import ByteTokenizer, Tokenizer
+from app.structured.constraint import Constraint, ConstraintError
+from app.structured.grammar import GrammarCompiler
 
 log = logging.getLogger("slotserve.serving")
 
@@ -73,6 +76,10 @@ class GenerationParams:
     # the request's user for --policy fair (a client cannot override it) and
     # --max-priority-for bounds its priority.
     key_name: str | None = None
+    # What the output must match (structured outputs, a tool call), and the request field that
+    # set it (named in the 400 if it does not compile).
+    constraint: Constraint | None = None
+    constraint_param: str = "response_format"
 
 
 REJECTION_REASONS: dict[type[EngineError], str] = {
@@ -164,15 +171,20 @@ class Serving:
         self.priority_limits = settings.priority_limits()
         self.api_keys = settings.api_keys()
         self.load_error: str | None = None
+        self._tool_draws = random.Random(settings.seed)  # --mock-tool-call-probability
         self._loading: asyncio.Task[None] | None = None
         self._engine: Engine | None = None
         self._tokenizer: Tokenizer | None = None
+        self._grammars: GrammarCompiler | None = None
         if not self._real:
             self._install(model if model is not None else build_model(settings), ByteTokenizer())
 
-    def _install(self, model: Model, tokenizer: Tokenizer) -> None:
+    def _install(
+        self, model: Model, tokenizer: Tokenizer, grammars: GrammarCompiler | None = None
+    ) -> None:
         self.model = model
         self._tokenizer = tokenizer
+        self._grammars = grammars or GrammarCompiler(tokenizer)
         self._engine = Engine(model, engine_config(self.settings), observer=self.metrics)
         self.metrics.bind(self._engine.core)
 
@@ -182,6 +194,14 @@ class Serving:
         if self._engine is None:
             raise self._not_loaded()
         return self._engine
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler for the model's vocabulary; ``ModelLoadingError`` while a real
+        model loads."""
+        if self._grammars is None:
+            raise self._not_loaded()
+        return self._grammars
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -194,6 +214,12 @@ class Serving:
         if self.load_error is not None:
             return ModelLoadFailedError(f"the model failed to load: {self.load_error}")
         return ModelLoadingError(f"the model {self.settings.model_name!r} is loading")
+
+    def mock_calls_tool(self) -> bool:
+        """Whether a mock decides to call a tool for a request whose ``tool_choice`` is ``auto``
+        (with ``--mock-tool-call-probability``); a real model decides by itself (False)."""
+        p = self.settings.mock_tool_call_probability
+        return not self._real and p > 0 and self._tool_draws.random() < p
 
     def priority_ignored(self, priority: int) -> bool:
         """Whether a request's ``priority`` has no effect here (a non-default priority under a
@@ -245,7 +271,13 @@ class Serving:
             log.exception("model %s not loaded", self.settings.model)
             return
         self.settings = sized(self.settings, loaded)
-        self._install(loaded.model, loaded.tokenizer)
+        try:  # the grammar engine's vocabulary: ~1 s for a 49k vocabulary, off the event loop
+            grammars = await asyncio.to_thread(GrammarCompiler, loaded.tokenizer)
+        except Exception as exc:
+            self.load_error = f"the grammar engine cannot read the tokenizer: {exc!r}"
+            log.exception("model %s not loaded", self.settings.model)
+            return
+        self._install(loaded.model, loaded.tokenizer, grammars)
         await self.engine.start()
         log.info("model %s ready", self.settings.model_name)
 
@@ -341,6 +373,14 @@ class Serving:
         text_stop = None
         if params.stop_strings:
             text_stop = StopStrings(params.stop_strings, self.tokenizer.stream_decoder())
+        constraint = None
+        if params.constraint is not None:
+            try:
+                constraint = self.grammars.matcher(params.constraint)
+            except ConstraintError as err:
+                raise InvalidRequestError(
+                    f"{params.constraint_param}: {err}", params.constraint_param, "invalid_grammar"
+                ) from None
         return Sequence(
             request_id=params.request_id or f"{id_prefix}-{uuid.uuid4().hex}",
             tokens=list(params.prompt),
@@ -349,6 +389,7 @@ class Serving:
             priority=self._priority(params),
             sampling=params.sampling,
             stop=text_stop,
+            constraint=constraint,
             user=params.key_name if params.key_name is not None else params.user,
         )
 

@@ -196,8 +196,6 @@ async def test_null_means_the_default_for_n_and_stream(make_client: ClientFactor
         ("/v1/completions", "best_of", 2),
         ("/v1/chat/completions", "logprobs", True),
         ("/v1/chat/completions", "top_logprobs", 3),
-        ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("/v1/chat/completions", "response_format", {"type": "json_object"}),
     ],
 )
 async def test_fields_that_would_change_the_reply_are_refused_not_ignored(

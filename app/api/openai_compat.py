@@ -16,10 +16,13 @@ from app.api.errors import APIError, error_body, model_failed_message, model_not
 from app.api.native import ERROR_RESPONSES, flag_ignored_priority
 from app.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIParams
 from app.api.streaming import sse_event, sse_response, until_disconnected
+from app.api.structured import requested_constraint
+from app.api.tools import ToolDeltas, ToolPlan, chat_prompt, tool_plan, whole_message
 from app.engine.stop_strings import StopStringMatcher
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason
 from app.serving import GenerationParams, Serving
+from app.structured.constraint import Constraint
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 DONE = b"data: [DONE]\n\n"
@@ -55,15 +58,34 @@ async def completions(
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, serving: ServingDep, key_name: KeyNameDep
 ) -> Response:
-    ids = serving.tokenizer.chat_prompt([(m.role, m.text()) for m in body.messages])
+    plan = tool_plan(body, serving)
+    ids = chat_prompt(body.messages, plan, serving)
+    constraint = _tool_constraint(body, plan)
     # max_completion_tokens replaces the deprecated max_tokens; it wins when both are set
     max_tokens = (
         body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
     )
-    run = _start(request, serving, body, ids, max_tokens, "chatcmpl", key_name)
-    shape = ChatShape(run.id, serving.settings.model_name)
+    run = _start(request, serving, body, ids, max_tokens, "chatcmpl", key_name, constraint)
+    name = serving.settings.model_name
+    shape = ChatShape(run.id, name) if plan is None else ToolChatShape(run.id, name, plan)
     response = await _respond(run, body, request, serving, shape)
     return flag_ignored_priority(response, serving, body.priority)
+
+
+def _tool_constraint(
+    body: ChatCompletionRequest, plan: ToolPlan | None
+) -> tuple[Constraint | None, str] | None:
+    """The grammar of a ``required`` or named tool choice, which ``response_format`` and
+    ``structured_outputs`` cannot be combined with (None: the request's own, if any)."""
+    constraint = plan.constraint() if plan is not None else None
+    if constraint is None:
+        return None
+    for field in ("response_format", "structured_outputs"):
+        value = getattr(body, field)
+        if value is not None and getattr(value, "type", None) != "text":
+            raise APIError(400, f"{field} cannot be combined with a tool_choice that forces a "
+                           "tool call", param=field, code="invalid_request")  # fmt: skip
+    return constraint, "tools"
 
 
 def completion_prompt_ids(body: CompletionRequest, serving: Serving) -> list[int]:
@@ -97,20 +119,24 @@ def _start(
     max_tokens: int | None,
     prefix: str,
     key_name: str | None,
+    constraint: tuple[Constraint | None, str] | None = None,
 ) -> Run:
     if body.model is not None and body.model != serving.settings.model_name:
         raise model_not_found(body.model, serving.settings.model_name)
     unsupported = body.unsupported()
     if unsupported is not None:
         raise APIError(400, f"{unsupported} is not supported by this server (the mock has no "
-                       "log-probabilities, tools or structured output); leave it unset",
+                       "log-probabilities or tools); leave it unset",
                        param=unsupported, code="unsupported_parameter")  # fmt: skip
     stops = body.stop_strings()
+    if constraint is None:
+        constraint = requested_constraint(body.response_format, body.structured_outputs)
+    grammar, grammar_param = constraint
     params = GenerationParams(
         prompt=ids, max_tokens=max_tokens, stop_token_ids=body.stop_token_ids,
         stop_strings=stops, ignore_eos=body.ignore_eos, priority=body.priority,
         sampling=body.sampling(), user=key_name if key_name is not None else body.user,
-        key_name=key_name,
+        key_name=key_name, constraint=grammar, constraint_param=grammar_param,
     )  # fmt: skip
     stream = faults.submit(
         request, serving, params, streaming=bool(body.stream), id_prefix=prefix, model=body.model
@@ -181,7 +207,8 @@ async def _stream_chunks(
         yield sse_event(None, first)
     try:
         async for text, reason in _texts(run, serving):
-            yield sse_event(None, shape.chunk(text, reason, run.created))
+            for chunk in shape.chunks(text, reason, run.created):
+                yield sse_event(None, chunk)
     except _ModelFailed as err:
         yield sse_event(None, error_body(str(err), "server_error", None, "model_error"))
         return
@@ -216,6 +243,10 @@ class Shape:
     def chunk(self, text: str, reason: str | None, created: int) -> dict[str, Any]:
         return self.envelope(self.object_chunk, created, [self.delta(text, reason)])
 
+    def chunks(self, text: str, reason: str | None, created: int) -> list[dict[str, Any]]:
+        """The stream chunks for one (text, finish reason) piece of the reply."""
+        return [self.chunk(text, reason, created)]
+
     def usage_chunk(self, usage: dict[str, int], created: int) -> dict[str, Any]:
         return self.envelope(self.object_chunk, created, []) | {"usage": usage}
 
@@ -247,3 +278,27 @@ class ChatShape(Shape):
     def delta(self, text: str, reason: str | None) -> dict[str, Any]:
         content = {"content": text} if text else {}
         return {"index": 0, "delta": content, "finish_reason": reason, "logprobs": None}
+
+
+class ToolChatShape(ChatShape):
+    """A chat reply that may call tools (app/api/tools.py): ``message.tool_calls`` and
+    ``finish_reason: "tool_calls"``, streamed as OpenAI streams calls."""
+
+    def __init__(self, request_id: str, model: str, plan: ToolPlan) -> None:
+        super().__init__(request_id, model)
+        self.plan = plan
+        self.deltas = ToolDeltas(plan)
+
+    def whole(
+        self, text: str, reason: str | None, usage: dict[str, int], created: int
+    ) -> dict[str, Any]:
+        message, reason = whole_message(text, reason, self.plan)
+        choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": None}
+        return self.envelope(self.object_whole, created, [choice]) | {"usage": usage}
+
+    def chunks(self, text: str, reason: str | None, created: int) -> list[dict[str, Any]]:
+        return [
+            self.envelope(self.object_chunk, created,
+                          [{"index": 0, "delta": delta, "finish_reason": end, "logprobs": None}])
+            for delta, end in self.deltas.feed(text, reason)
+        ]  # fmt: skip

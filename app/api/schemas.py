@@ -8,6 +8,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+from app.api.structured import ResponseFormat, StructuredOutputs
+from app.api.tools import MessageToolCall, ToolChoiceField, ToolDef
 from app.models.protocol import SamplingParams
 
 
@@ -79,11 +81,8 @@ NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
     "top_logprobs": (None, 0),
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -111,11 +110,11 @@ class OpenAIParams(SamplingFields):
     top_logprobs: object = None
     suffix: object = None
     best_of: object = None
-    tools: object = None
-    tool_choice: object = None
     functions: object = None
     function_call: object = None
-    response_format: object = None
+    # structured outputs (app/api/structured.py): OpenAI's and vLLM's request fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def unsupported(self) -> str | None:
         """The first field set to a value this server cannot honour, or None."""
@@ -156,6 +155,8 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Text | list[ContentPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls (app/api/tools.py)
+    tool_call_id: StrictStr | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -168,3 +169,6 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(OpenAIParams):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
+    tool_choice: ToolChoiceField | None = None
+    parallel_tool_calls: StrictBool | None = None

@@ -9,7 +9,15 @@ from typing import Protocol
 from app.engine.errors import ModelOutputError
 from app.engine.step import ModelOutput, SchedulerOutput
 from app.engine.types import Sequence
-from app.models.protocol import CachedModel, Model, SamplingParams, StatelessModel, StepBatch
+from app.models.protocol import (
+    CachedModel,
+    Model,
+    PrefillChunk,
+    SamplingParams,
+    StatelessModel,
+    StepBatch,
+    applies_token_masks,
+)
 
 log = logging.getLogger("slotserve.engine")
 
@@ -44,6 +52,7 @@ class StatelessRunner:
         self.pad_sequence = pad_sequence
         self._decodes: list[Sequence] = []  # the previous step's decode list and its inputs:
         self._inputs: list[list[int]] = []  # while it is unchanged, the same lists serve again
+        self._constrained = ConstrainedRows()
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         seqs = out.decode_seqs
@@ -54,8 +63,11 @@ class StatelessRunner:
         if not inputs:
             return ModelOutput([])
         if self.pad_sequence is not None:
-            return ModelOutput(self._padded(seqs, inputs))
-        return ModelOutput(checked_tokens(self.model.next_tokens(inputs), len(inputs)))
+            tokens = self._padded(seqs, inputs)
+        else:
+            tokens = checked_tokens(self.model.next_tokens(inputs), len(inputs))
+        rows = self._constrained.rows(out.decode_seqs, seqs[len(out.decode_seqs) :])
+        return ModelOutput(obeyed(tokens, rows) if rows else tokens)
 
     def close(self) -> None:
         self._decodes, self._inputs = [], []
@@ -96,6 +108,17 @@ class CachedRunner:
         self._dirty: set[int] = set()  # assigned slots whose release raised
         self._decodes: list[Sequence] = []  # the previous step's decode list and the model-
         self._columns: tuple[list[int], list[SamplingParams], list[str]] = ([], [], [])
+        self._constrained = ConstrainedRows()
+        self._masks = applies_token_masks(model)
+
+    def _sampling_prefills(self, out: SchedulerOutput, run: list[PrefillChunk]) -> list[Sequence]:
+        """The requests of the chunks in ``run`` that sample, in order (their output rows)."""
+        ran = {id(chunk) for chunk in run}
+        return [
+            seq
+            for seq, chunk in zip(out.prefill_seqs, out.prefills, strict=True)
+            if chunk.sample and id(chunk) in ran
+        ]
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         for slot in [*out.released, *self._dirty]:
@@ -108,9 +131,18 @@ class CachedRunner:
             prefills = [c for c in prefills if not (c.fresh and c.slot in self._dirty)]
         self._assigned.update(chunk.slot for chunk in prefills if chunk.fresh)
         slots, sampling, ids = self._columns_for(out.decode_seqs)
+        sampled = self._sampling_prefills(out, prefills) if prefills else []
+        rows = self._constrained.rows(out.decode_seqs, sampled)
+        if rows and self._masks:
+            masks: list[bytes | None] = [None] * (len(out.decode_seqs) + len(sampled))
+            for index, seq in rows:
+                masks[index] = seq.constraint.mask() if seq.constraint is not None else None
+            batch = StepBatch(slots, out.decode_tokens, sampling, ids, prefills, masks)
+            tokens = checked_tokens(self.model.step(batch), batch.num_outputs)
+            return ModelOutput(checked_masked(tokens, masks), frozenset(self._dirty))
         batch = StepBatch(slots, out.decode_tokens, sampling, ids, prefills)
         tokens = checked_tokens(self.model.step(batch), batch.num_outputs)
-        return ModelOutput(tokens, frozenset(self._dirty))
+        return ModelOutput(obeyed(tokens, rows) if rows else tokens, frozenset(self._dirty))
 
     def close(self) -> None:
         for slot in sorted(self._assigned):
@@ -146,6 +178,49 @@ class CachedRunner:
         if self._dirty:
             self._dirty.discard(slot)
             log.info("slot %d was reset and is back in service", slot)
+
+
+class ConstrainedRows:
+    """The output rows of a step whose request has a grammar (``Sequence.constraint``), as
+    (row, request) pairs. The decode part is recomputed only when the decode list changes (the
+    scheduler hands out the same list while it does not), so a step with no constrained
+    request pays one identity check."""
+
+    def __init__(self) -> None:
+        self._decodes: list[Sequence] = []
+        self._rows: list[tuple[int, Sequence]] = []
+
+    def rows(self, decodes: list[Sequence], sampled: list[Sequence]) -> list[tuple[int, Sequence]]:
+        if decodes is not self._decodes:
+            self._decodes = decodes
+            self._rows = [(i, seq) for i, seq in enumerate(decodes) if seq.constraint is not None]
+        if not any(seq.constraint is not None for seq in sampled):
+            return self._rows
+        base = len(decodes)
+        extra = [(base + i, seq) for i, seq in enumerate(sampled) if seq.constraint is not None]
+        return [*self._rows, *extra]
+
+
+def obeyed(tokens: list[int], rows: list[tuple[int, Sequence]]) -> list[int]:
+    """``tokens`` with each constrained row's token made to obey its grammar (for a model that
+    cannot apply masks: ``TokenConstraint.choose``)."""
+    tokens = list(tokens)
+    for index, seq in rows:
+        if seq.constraint is not None:
+            tokens[index] = seq.constraint.choose(tokens[index])
+    return tokens
+
+
+def checked_masked(tokens: list[int], masks: list[bytes | None]) -> list[int]:
+    """``tokens``, or ``ModelOutputError`` if a masked row's token is not allowed by its mask."""
+    for index, (token, mask) in enumerate(zip(tokens, masks, strict=True)):
+        if mask is not None and not (
+            token >> 3 < len(mask) and mask[token >> 3] >> (token & 7) & 1
+        ):
+            raise ModelOutputError(
+                f"model sampled token {token} at row {index}, which its mask forbids"
+            )
+    return tokens
 
 
 def close_quietly(runner: ModelRunner) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from app.engine.errors import ModelOutputError
 from app.engine.kv_books import KVBooks
 from app.engine.policies import FCFS, Policy, PolicyConfig, make_policy
 from app.engine.prefix_cache import CachedBlock, PrefixCache
@@ -402,6 +403,7 @@ class Scheduler:
                 token in seq.stop_token_ids
                 or len(seq.tokens) + 1 >= seq.token_limit
                 or seq.stop is not None
+                or seq.constraint is not None
             ):
                 dropped += self._append(seq, token, now, finished)  # every end rule: one place
             else:
@@ -436,8 +438,13 @@ class Scheduler:
 
     def _append(self, seq: Sequence, token: int, now: float, finished: list[Sequence]) -> int:
         """Append ``token`` and apply the end rules: a stop token (kept only with
-        ``include_stop``), a stop string, ``max_tokens``. Returns 1 if the token was a stop
-        token left out of the output, else 0."""
+        ``include_stop``), a stop string, ``max_tokens``, the end of its grammar. Returns 1 if the
+        token was a stop token left out of the output (or a token its grammar refused), else 0."""
+        if seq.constraint is not None and not seq.constraint.accept(token):
+            seq.error = ModelOutputError(f"token {token} is not allowed by the request's grammar")
+            self._finish(seq, FinishReason.ERROR, now)
+            finished.append(seq)
+            return 1
         if token in seq.stop_token_ids:
             reason = FinishReason.STOP
             if not seq.include_stop:
@@ -451,6 +458,8 @@ class Scheduler:
                 reason = FinishReason.STOP
             elif len(seq.tokens) >= seq.token_limit:
                 reason = FinishReason.LENGTH
+            elif seq.constraint is not None and seq.constraint.finished:
+                reason = FinishReason.STOP  # its grammar ended on a token that is no stop token
             else:
                 return 0
         self._finish(seq, reason, now)
@@ -477,6 +486,7 @@ class Scheduler:
     def _close(self, seq: Sequence, reason: FinishReason, now: float) -> None:
         seq.status = RequestStatus.FINISHED
         seq.finish_reason = reason
+        seq.constraint = None  # its grammar state is freed with the request
         seq.times.finished = now
 
     def _requeue(self, seq: Sequence, status: RequestStatus, now: float) -> None:

@@ -55,6 +55,33 @@ class StopCondition(Protocol):
     def feed(self, tokens: list[int]) -> bool: ...
 
 
+class TokenConstraint(Protocol):
+    """A request's output grammar (structured outputs, tool calls): which tokens may come next.
+    Implemented by ``app.structured.grammar.GrammarMatcher``. The runner reads it before a
+    model call (``mask`` or ``choose``) and the scheduler advances it with each accepted token
+    (``accept``); it has then consumed exactly the request's generated tokens, so a preempted
+    request resumes with it as it was (nothing is replayed). Dropped when the request ends."""
+
+    def mask(self) -> bytes:
+        """The allowed next tokens: bit t (byte t // 8, bit t % 8) set for an allowed token t."""
+        ...
+
+    def choose(self, preferred: int) -> int:
+        """For a model that cannot apply a mask: ``preferred`` if allowed, else an allowed token
+        (deterministic, steering toward completing the structure). The token it returns is
+        still to be ``accept``-ed (or, if it is dropped, forgotten by the next call)."""
+        ...
+
+    def accept(self, token: int) -> bool:
+        """Advance past ``token``; False if the grammar forbids it."""
+        ...
+
+    @property
+    def finished(self) -> bool:
+        """The grammar has ended: nothing more may be generated."""
+        ...
+
+
 @dataclass(slots=True)
 class Timestamps:
     """``time.monotonic()`` readings of one request's life, for latency metrics and logs."""
@@ -89,6 +116,7 @@ class Sequence:
     priority: int = 0
     sampling: SamplingParams = DEFAULT_SAMPLING
     stop: StopCondition | None = None
+    constraint: TokenConstraint | None = None  # its output grammar (None: unconstrained)
     user: str | None = None
     prompt_len: int = 0
     token_limit: int = 0  # len(tokens) at which max_tokens is reached

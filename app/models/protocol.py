@@ -98,6 +98,11 @@ class StepBatch:
 
     The model returns ``len(decode_slots) + number of prefills with sample=True`` token ids:
     first one per decode slot, in order, then one per sampling prefill chunk, in order.
+
+    ``token_masks`` (only for a model with ``applies_token_masks = True``; empty when no row is
+    constrained) has one entry per output row, in that order: None, or the bitmask of the tokens
+    the row may sample (bit t = byte t // 8, bit t % 8; bits past the vocabulary are clear).
+    The model must sample each masked row among its allowed tokens.
     """
 
     decode_slots: Seq[int]
@@ -105,6 +110,7 @@ class StepBatch:
     decode_sampling: Seq[SamplingParams]
     decode_request_ids: Seq[str]
     prefills: Seq[PrefillChunk]
+    token_masks: Seq[bytes | None] = ()
 
     @property
     def num_outputs(self) -> int:
@@ -145,6 +151,13 @@ def supports_prefix_caching(model: object) -> bool:
     if isinstance(model, CachedModel):
         return getattr(model, "supports_prefix_caching", False) is True
     return isinstance(model, StatelessModel)
+
+
+def applies_token_masks(model: object) -> bool:
+    """Whether ``model`` samples under ``StepBatch.token_masks`` (an optional class attribute
+    ``applies_token_masks = True``). For any other model the engine's runner makes the model's
+    token obey the request's grammar (``TokenConstraint.choose``)."""
+    return getattr(model, "applies_token_masks", False) is True
 
 
 Model = StatelessModel | CachedModel

@@ -7,12 +7,15 @@ token per decode slot and per chunk that completes a prefill.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from app.models.hf.attention import StepLayout
 from app.models.hf.kv_cache import KVCache
 from app.models.hf.llama import LlamaForward
 from app.models.hf.sampling import Sampler
+from app.models.hf.token_mask import apply_token_masks
 from app.models.protocol import PrefillChunk, SamplingParams, StepBatch
 
 
@@ -26,6 +29,7 @@ class HFModel:
     engine runs ``step`` and ``release`` in its worker thread."""
 
     blocking = True
+    applies_token_masks = True  # samples under StepBatch.token_masks (structured outputs)
 
     def __init__(self, forward: LlamaForward, sampler: Sampler) -> None:
         self._forward = forward
@@ -54,18 +58,24 @@ class HFModel:
             return []
         logits, params, positions = self._run(batch)
         with torch.inference_mode():
-            logits = self._before_sampling(logits, params, positions)
+            logits = self._before_sampling(logits, params, positions, batch.token_masks)
             return self._sampler.sample(logits, params, positions)
 
     def _before_sampling(
-        self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        positions: list[int],
+        token_masks: Sequence[bytes | None] = (),
     ) -> torch.Tensor:
         """THE place where the stages between the forward and the draw run, in this order,
         each over the float32 logits (rows, vocab) of the step's output rows and skipped
         entirely when no row needs it: 1. logits processors (penalties, logit_bias, min_tokens,
         bad_words, allowed_token_ids), 2. grammar token masks, 3. logprobs capture. Returns the
-        logits the ``Sampler`` draws from (none of these stages exists yet: unchanged)."""
+        logits the ``Sampler`` draws from. ``token_masks``: ``StepBatch.token_masks``."""
         del params, positions
+        if token_masks:  # 2. grammar token masks (structured outputs)
+            apply_token_masks(logits, token_masks)
         return logits
 
     def step_logits(self, batch: StepBatch) -> torch.Tensor:
