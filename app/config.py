@@ -41,6 +41,9 @@ class Settings(BaseSettings):
     max_waiting: int = Field(1024, ge=0, description="waiting-queue bound; past it: 429")
     max_model_len: int = Field(8192, ge=2, description="context length: prompt + max_tokens")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request omits it")
+    max_n: int = Field(
+        16, ge=1, description="OpenAI routes: the most choices (n) one request may ask"
+    )
     max_num_batched_tokens: int = Field(
         2048, ge=1, description="token budget per step (decode + prefill); >= --num-slots"
     )
@@ -180,6 +183,12 @@ class Settings(BaseSettings):
     )
     allow_fault_headers: bool = Field(
         False, description="honour x-slotserve-fail and x-slotserve-fail-after (tests only)"
+    )
+    responses_store_size: int = Field(
+        1000, ge=0, description="/v1/responses: responses kept in memory (0: none)"
+    )
+    responses_store_seconds: float = Field(
+        3600.0, gt=0, description="/v1/responses: seconds a finished response is kept"
     )
 
     @field_validator("failure_types")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import random
@@ -71,6 +72,7 @@ class GenerationParams:
     request_id: str | None = None
     priority: int = 0
     sampling: SamplingParams = DEFAULT_SAMPLING
+    bad_words: list[str] = field(default_factory=list)  # text: tokenized into sampling here
     user: str | None = None  # the request's own user field
     # The named API key the request authenticated with (None: no named keys). When set, it is
     # the request's user for --policy fair (a client cannot override it) and
@@ -324,11 +326,19 @@ class Serving:
     async def cancel(self, request_id: str) -> bool:
         """Abort a live request and wait (at most ``CANCEL_TIMEOUT``) until the engine has
         applied it, so its id is free again on return. False if no live request has this id."""
-        stream = self.engine.core.live.get(request_id)
+        live = self.engine.core.live
+        stream = live.get(request_id)
         if stream is None or not self.abort(request_id):
             return False
+        streams = [stream]
+        for i in range(1, self.settings.max_n):  # the other choices of an n > 1 request
+            sibling = live.get(f"{request_id}~{i}")
+            if sibling is None:
+                continue
+            self.abort(sibling.request_id)
+            streams.append(sibling)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stream.ended(), CANCEL_TIMEOUT)
+            await asyncio.wait_for(asyncio.gather(*(s.ended() for s in streams)), CANCEL_TIMEOUT)
         return True
 
     def slots(self) -> list[dict[str, object]]:
@@ -367,12 +377,20 @@ class Serving:
             raise InvalidRequestError("prompt must not be empty", "prompt", "empty_prompt")
         self._check_vocabulary(params.prompt, "prompt")
         self._check_vocabulary(params.stop_token_ids, "stop_token_ids")
+        sampling = self._sampling(params)
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(self.tokenizer.stop_token_ids)
         text_stop = None
         if params.stop_strings:
-            text_stop = StopStrings(params.stop_strings, self.tokenizer.stream_decoder())
+            decoder = self.tokenizer.stream_decoder()
+            text_stop = StopStrings(params.stop_strings, decoder, sampling.min_tokens)
+        max_tokens = self._max_tokens(len(params.prompt), params.max_tokens)
+        if sampling.min_tokens > max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({sampling.min_tokens}) exceeds max_tokens ({max_tokens})",
+                "min_tokens", "invalid_value",
+            )  # fmt: skip
         constraint = None
         if params.constraint is not None:
             try:
@@ -384,14 +402,35 @@ class Serving:
         return Sequence(
             request_id=params.request_id or f"{id_prefix}-{uuid.uuid4().hex}",
             tokens=list(params.prompt),
-            max_tokens=self._max_tokens(len(params.prompt), params.max_tokens),
+            max_tokens=max_tokens,
             stop_token_ids=_shared_stop_set(tuple(sorted(stops))),
             priority=self._priority(params),
-            sampling=params.sampling,
+            sampling=sampling,
             stop=text_stop,
             constraint=constraint,
             user=params.key_name if params.key_name is not None else params.user,
         )
+
+    def _sampling(self, params: GenerationParams) -> SamplingParams:
+        """The request's sampling parameters, checked against the vocabulary and the model,
+        with its ``bad_words`` tokenized (each alone and after a space, as vLLM does)."""
+        sampling = params.sampling
+        if sampling.plain and not params.bad_words:
+            return sampling
+        self._check_vocabulary([token for token, _ in sampling.logit_bias], "logit_bias")
+        self._check_vocabulary(list(sampling.allowed_token_ids or ()), "allowed_token_ids")
+        if params.bad_words:
+            encode = self.tokenizer.encode
+            words = {tuple(ids) for w in params.bad_words for ids in (encode(w), encode(" " + w))}
+            sampling = dataclasses.replace(sampling, bad_words=tuple(w for w in words if w))
+        if not supports_sampling(self.model):
+            raise InvalidRequestError(
+                "this model cannot honour logits processors or log probabilities (it has no "
+                "step_sampled / next_tokens_for)",
+                "logprobs" if sampling.logprobs is not None else "logit_bias",
+                "unsupported_parameter",
+            )  # fmt: skip
+        return sampling
 
     def _priority(self, params: GenerationParams) -> int:
         """The request's priority. ``--max-priority-for``: a named key may not claim a better
@@ -434,6 +473,11 @@ class Serving:
         if room < 0 or max_tokens > room:
             raise context_length_error(prompt_len, max_tokens, context)
         return max_tokens
+
+
+def supports_sampling(model: object) -> bool:
+    """Whether ``model`` honours per-request logits processors and log probabilities."""
+    return callable(getattr(model, "step_sampled", getattr(model, "next_tokens_for", None)))
 
 
 @functools.lru_cache(maxsize=256)

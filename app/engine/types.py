@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 from typing import TYPE_CHECKING, Protocol
 
-from app.models.protocol import DEFAULT_SAMPLING, SamplingParams
+from app.models.protocol import DEFAULT_SAMPLING, Logprobs, SamplingParams
 
 if TYPE_CHECKING:
     from app.engine.prefix_cache import PrefixState
@@ -137,10 +137,28 @@ class Sequence:
     finish_reason: FinishReason | None = None
     error: BaseException | None = None
     times: Timestamps = field(default_factory=Timestamps)
+    # log probabilities, when asked: ``logprobs[i]`` of generated token i; ``prompt_logprobs[p]``
+    # of prompt token p (None at 0, which has none), filled as the prefill runs
+    logprobs: list[Logprobs | None] | None = None
+    prompt_logprobs: list[Logprobs | None] | None = None
+    # every token goes through the full end rules (stop strings, min_tokens, log probabilities)
+    slow: bool = False
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.tokens)
         self.token_limit = self.prompt_len + self.max_tokens
+        sampling = self.sampling
+        if sampling.logprobs is not None:
+            self.logprobs = []
+        if sampling.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+        self.slow = self.stop is not None or sampling.min_tokens > 0 or self.logprobs is not None
+
+    @property
+    def prompt_logprobs_done(self) -> bool:
+        """Whether every prompt token's log-probability is known (or none was asked for)."""
+        found = self.prompt_logprobs
+        return found is None or len(found) >= self.prompt_len
 
     @property
     def num_generated(self) -> int:
