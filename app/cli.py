@@ -115,6 +115,7 @@ def check_real_model(settings: Settings) -> None:
 def serve(settings: Settings) -> None:
     from app.api.app import create_app
     from app.engine.errors import UnsupportedFeatureError
+    from app.kv_events.publisher import KVEventsError
     from app.real_model import named, wants_real_model
     from app.server import run
 
@@ -131,7 +132,8 @@ def serve(settings: Settings) -> None:
     )  # fmt: skip
     try:
         app = create_app(settings)
-    except UnsupportedFeatureError as err:  # e.g. --enable-prefix-caching on a model without it
+    except (UnsupportedFeatureError, KVEventsError) as err:  # e.g. prefix caching on a model
+        # without it, a KV-event port in use
         raise SystemExit(f"slotserve: error: {err}") from None
     run(app, settings.host, settings.port, settings.log_level)
 

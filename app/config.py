@@ -132,6 +132,31 @@ class Settings(BaseSettings):
     enable_prefix_caching: bool = Field(
         False, description="reuse the KV blocks of prompt prefixes already computed"
     )
+    kv_events_endpoint: str | None = Field(
+        None,
+        description="publish KV-cache events (vLLM's wire format) on this ZeroMQ PUB address, "
+        "e.g. tcp://*:5557 (bound; a host without * is connected to); needs "
+        "--enable-prefix-caching (unset: off)",
+    )
+    kv_events_replay_endpoint: str | None = Field(
+        None, description="ZeroMQ ROUTER address answering replays of missed event batches"
+    )
+    kv_events_topic: str = Field("", description="topic frame of every KV-event message")
+    kv_events_buffer_steps: int = Field(
+        10_000, ge=1, description="KV-event batches kept for replay"
+    )
+    kv_events_queue_size: int = Field(
+        10_000, ge=1, description="KV-event batches queued for sending; past it they are dropped"
+    )
+    kv_events_int_hashes: bool = Field(
+        True, description="KV events carry block hashes as 64-bit integers (else the bytes)"
+    )
+    prefix_caching_hash_algo: Literal["sha256", "sha256_cbor"] = Field(
+        "sha256", description="block hash of KV events, as vLLM's flag (pickle or CBOR + SHA-256)"
+    )
+    prefix_caching_hash_seed: str = Field(
+        "0", description="seed of the first block's parent hash (vLLM's PYTHONHASHSEED)"
+    )
     mock_step_ms: float = Field(0.0, ge=0, description="step clock: ms per step (b0)")
     mock_per_seq_ms: float = Field(0.0, ge=0, description="step clock: ms per decode token (b2)")
     mock_prefill_ms: float = Field(0.0, ge=0, description="step clock: ms per prefill token (b1)")
@@ -195,6 +220,24 @@ class Settings(BaseSettings):
     def priority_limits(self) -> dict[str, int]:
         """``--max-priority-for`` as {key name: best priority it may claim}."""
         return priority_limits(self.max_priority_for)
+
+    @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
+    @classmethod
+    def _zmq_endpoint(cls, value: str | None) -> str | None:
+        from app.kv_events.publisher import check_endpoint
+
+        return None if value is None else check_endpoint(value)
+
+    @model_validator(mode="after")
+    def _kv_events_need_the_prefix_cache(self) -> Self:
+        if self.kv_events_endpoint is not None and not self.enable_prefix_caching:
+            raise ValueError(
+                "--kv-events-endpoint needs --enable-prefix-caching (the events are the prefix "
+                "cache's blocks)"
+            )
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        return self
 
     @model_validator(mode="after")
     def _kv_cache_holds_a_block(self) -> Self:

@@ -11,6 +11,7 @@ import bisect
 import logging
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -25,6 +26,9 @@ from prometheus_client.registry import Collector
 from app.engine.core import EngineCore
 from app.engine.step import StepOutcome
 from app.engine.types import FinishReason, Sequence
+
+if TYPE_CHECKING:
+    from app.kv_events.publisher import KVEventPublisher
 
 log = logging.getLogger("slotserve.requests")
 disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series: dashboards do not use them
@@ -84,6 +88,26 @@ class ObserverErrors(Collector):
             labels=list(self.labels),
         )  # fmt: skip
         family.add_metric(list(self.labels.values()), sum(self.core.observer_errors.values()))
+        yield family
+
+
+class KVEventCounters(Collector):
+    """``slotserve:kv_events_batches_total``: KV-event batches by outcome (``published``;
+    ``dropped``: the send queue was full; ``failed``: the send raised), read from the
+    publisher."""
+
+    def __init__(self, publisher: KVEventPublisher, labels: dict[str, str]) -> None:
+        self.publisher, self.labels = publisher, labels
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "slotserve:kv_events_batches", "KV-event batches by outcome.",
+            labels=[*self.labels, "outcome"],
+        )  # fmt: skip
+        values, pub = list(self.labels.values()), self.publisher
+        for outcome, count in (("published", pub.published), ("dropped", pub.dropped),
+                               ("failed", pub.errors)):  # fmt: skip
+            family.add_metric([*values, outcome], count)
         yield family
 
 
@@ -191,6 +215,10 @@ class EngineMetrics:
         slots = core.scheduler.slots
         self.slots_out_of_service.labels(name).set_function(lambda: len(slots.out_of_service))
         self.registry.register(ObserverErrors(core, {"model_name": name}))
+
+    def watch_kv_events(self, publisher: KVEventPublisher) -> None:
+        """Export ``publisher``'s batch counters."""
+        self.registry.register(KVEventCounters(publisher, {"model_name": self.model_name}))
 
     def reject(self, reason: str, key: str = "") -> None:
         """A request refused before queueing; ``key`` is its API key's name ("" without keys)."""

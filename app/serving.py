@@ -10,6 +10,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from app.config import Settings
 from app.engine.core import EngineConfig
@@ -32,6 +33,9 @@ from app.models.mock import MockModel
 from app.models.mock_language import MockLanguage
 from app.models.protocol import DEFAULT_SAMPLING, Model, SamplingParams
 from app.models.tokenizer import ByteTokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from app.kv_events.publisher import KVEventPublisher
 
 log = logging.getLogger("slotserve.serving")
 
@@ -142,9 +146,31 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_model_len=settings.max_model_len,
         scheduling=policy_config(settings),
         enable_prefix_caching=settings.enable_prefix_caching,
+        kv_events=settings.kv_events_endpoint is not None,
         step_costs=costs,
         seed=settings.seed,
     )
+
+
+def kv_event_publisher(settings: Settings, rank: int = 0) -> KVEventPublisher | None:
+    """The KV-event publisher ``--kv-events-endpoint`` asks for (None: off); its sockets are
+    open on return (``KVEventsError`` if they cannot be)."""
+    if settings.kv_events_endpoint is None:
+        return None
+    from app.kv_events.publisher import KVEventPublisher, KVEventsConfig
+
+    config = KVEventsConfig(
+        endpoint=settings.kv_events_endpoint,
+        replay_endpoint=settings.kv_events_replay_endpoint,
+        topic=settings.kv_events_topic,
+        buffer_steps=settings.kv_events_buffer_steps,
+        max_queue_size=settings.kv_events_queue_size,
+        block_size=settings.block_size,
+        hash_algo=settings.prefix_caching_hash_algo,
+        hash_seed=settings.prefix_caching_hash_seed,
+        int_hashes=settings.kv_events_int_hashes,
+    )
+    return KVEventPublisher(config, rank)
 
 
 class Serving:
@@ -167,13 +193,18 @@ class Serving:
         self._loading: asyncio.Task[None] | None = None
         self._engine: Engine | None = None
         self._tokenizer: Tokenizer | None = None
+        self.kv_events = kv_event_publisher(self.settings)
+        if self.kv_events is not None:
+            self.metrics.watch_kv_events(self.kv_events)
         if not self._real:
             self._install(model if model is not None else build_model(settings), ByteTokenizer())
 
     def _install(self, model: Model, tokenizer: Tokenizer) -> None:
         self.model = model
         self._tokenizer = tokenizer
-        self._engine = Engine(model, engine_config(self.settings), observer=self.metrics)
+        self._engine = Engine(
+            model, engine_config(self.settings), observer=self.metrics, kv_events=self.kv_events
+        )
         self.metrics.bind(self._engine.core)
 
     @property
@@ -259,6 +290,8 @@ class Serving:
             self._loading.cancel()
         if self._engine is not None:
             await self._engine.stop(grace)
+        if self.kv_events is not None:
+            await asyncio.to_thread(self.kv_events.close)
 
     def submit(self, params: GenerationParams, id_prefix: str = "gen") -> RequestStream:
         """Validate ``params`` against the model and queue the request: ``prepare`` then

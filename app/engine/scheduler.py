@@ -76,6 +76,7 @@ class SchedulerConfig:
     max_model_len: int | None = None
     scheduling: PolicyConfig = FCFS
     enable_prefix_caching: bool = False
+    record_kv_events: bool = False  # the prefix cache logs its changes (KV events)
 
     @property
     def kv_binds(self) -> bool:
@@ -109,7 +110,11 @@ class Scheduler:
         self.config = config
         self.slots = SlotTable(config.num_slots)
         self.waiting = WaitingQueue()
-        self.prefix_cache = PrefixCache(config.block_size) if config.enable_prefix_caching else None
+        self.prefix_cache = (
+            PrefixCache(config.block_size, config.record_kv_events)
+            if config.enable_prefix_caching
+            else None
+        )
         self.books = KVBooks(
             config.kv_cache_tokens or UNBOUNDED, config.block_size, self.prefix_cache
         )
