@@ -29,6 +29,7 @@ import zmq
 
 from app.engine.core import EngineConfig
 from app.engine.engine import Engine
+from app.engine.step import StepOutcome
 from app.engine.types import Sequence
 from app.kv_events.publisher import KVEventPublisher, KVEventsConfig
 from app.kv_events.schema import KVEventBatch
@@ -46,6 +47,18 @@ def workload(n: int, seed: int) -> list[Sequence]:
         out.append(Sequence(f"r{i}", [*rng.choice(heads), *tail, 1], rng.randrange(8, 41),
                             frozenset({-1})))  # fmt: skip
     return out
+
+
+class StepCounter:
+    """The engine's observer here: counts steps."""
+
+    steps = 0
+
+    def on_step(self, outcome: StepOutcome) -> None:
+        self.steps += 1
+
+    def on_finished(self, seq: Sequence) -> None:
+        pass
 
 
 def drain(endpoint: str, stop: EventType, counts: SimpleQueue[int]) -> None:
@@ -68,9 +81,7 @@ def drain(endpoint: str, stop: EventType, counts: SimpleQueue[int]) -> None:
     counts.put(events)
 
 
-async def per_step_us(
-    n: int, seed: int, events: bool
-) -> tuple[float, float, int, int, int]:
+async def per_step_us(n: int, seed: int, events: bool) -> tuple[float, float, int, int, int]:
     config = EngineConfig(
         num_slots=SLOTS, max_waiting=n, max_num_batched_tokens=2048, block_size=BS,
         kv_cache_tokens=6000 * BS, max_model_len=1024, enable_prefix_caching=True,
@@ -88,17 +99,9 @@ async def per_step_us(
             publisher.publish([])  # is sent before it has)
             await asyncio.sleep(0.05)
         counts.get()
-    engine = Engine(CachedMockModel(SLOTS), config, kv_events=publisher)
+    counter = StepCounter()
+    engine = Engine(CachedMockModel(SLOTS), config, observer=counter, kv_events=publisher)
     await engine.start()
-    steps = 0
-    original = engine.core.update
-
-    def counted(*args: object) -> None:
-        nonlocal steps
-        steps += 1
-        original(*args)  # type: ignore[arg-type]
-
-    engine.core.update = counted  # type: ignore[method-assign]
     seqs = workload(n, seed)
     started, cpu = time.perf_counter(), time.process_time()
     streams = [engine.submit(seq) for seq in seqs]
@@ -115,6 +118,7 @@ async def per_step_us(
         stop.set()
         decoded = counts.get()
         subscriber.join()
+    steps = counter.steps
     return wall / steps * 1e6, cpu / steps * 1e6, steps, sent, decoded
 
 
