@@ -157,6 +157,12 @@ class Settings(BaseSettings):
     prefix_caching_hash_seed: str = Field(
         "0", description="seed of the first block's parent hash (vLLM's PYTHONHASHSEED)"
     )
+    enable_sleep_mode: bool = Field(
+        False, description="serve vLLM's POST /sleep, POST /wake_up and GET /is_sleeping"
+    )
+    startup_delay: float = Field(
+        0.0, ge=0, description="seconds /health answers 503 starting after start (readiness)"
+    )
     mock_step_ms: float = Field(0.0, ge=0, description="step clock: ms per step (b0)")
     mock_per_seq_ms: float = Field(0.0, ge=0, description="step clock: ms per decode token (b2)")
     mock_prefill_ms: float = Field(0.0, ge=0, description="step clock: ms per prefill token (b1)")

@@ -39,7 +39,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.0
                0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)  # fmt: skip
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 # Every reason ``EngineMetrics.reject`` is called with (app/serving.py).
-REJECT_REASONS = ("queue_full", "duplicate_id", "draining", "engine_dead")
+REJECT_REASONS = ("queue_full", "duplicate_id", "draining", "engine_dead", "not_ready")
 
 
 def export_at_zero(metric: Counter | Histogram, *label_values: Seq[str]) -> None:

@@ -48,6 +48,18 @@ class ModelLoadFailedError(ModelLoadingError):
     """The real model failed to load: nothing will be served (retrying does not help)."""
 
 
+class NotReadyError(EngineError):
+    """The server does not take generation now: asleep (``POST /sleep``) or within
+    ``--startup-delay``. ``code`` names which (``sleeping``, ``starting``)."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+SLEEP_PARTS = frozenset({"weights", "kv_cache"})  # what vLLM's /wake_up?tags= may name
+
+
 class InvalidRequestError(ValueError):
     """A request the model cannot take (empty prompt, unknown token id, too long for the
     context): the client's mistake. ``param`` names the field, ``code`` the kind."""
@@ -80,6 +92,7 @@ class GenerationParams:
 
 
 REJECTION_REASONS: dict[type[EngineError], str] = {
+    NotReadyError: "not_ready",
     QueueFullError: "queue_full",
     DuplicateRequestError: "duplicate_id",
     EngineDrainingError: "draining",
@@ -193,6 +206,9 @@ class Serving:
         self._loading: asyncio.Task[None] | None = None
         self._engine: Engine | None = None
         self._tokenizer: Tokenizer | None = None
+        self.asleep: frozenset[str] = frozenset()  # the parts still asleep (see ``sleep``)
+        self.sleep_level = 0
+        self._ready_at = 0.0  # monotonic time --startup-delay ends (set by ``start``)
         self.kv_events = kv_event_publisher(self.settings)
         if self.kv_events is not None:
             self.metrics.watch_kv_events(self.kv_events)
@@ -242,8 +258,9 @@ class Serving:
     @property
     def state(self) -> str:
         """``ok``, or why the server does not serve: ``loading`` (a real model), ``load_failed``,
-        ``draining``, ``engine_dead``, or ``no_slot`` (every slot is out of service: the model
-        cannot reset any)."""
+        ``draining``, ``engine_dead``, ``sleeping`` (``POST /sleep``), ``starting`` (within
+        ``--startup-delay``), or ``no_slot`` (every slot is out of service: the model cannot
+        reset any)."""
         engine = self._engine
         if engine is None:
             return "loading" if self.load_error is None else "load_failed"
@@ -251,11 +268,16 @@ class Serving:
             return "draining"
         if not engine.alive:
             return "engine_dead"
+        if self.asleep:
+            return "sleeping"
+        if time.monotonic() < self._ready_at:
+            return "starting"
         table = engine.core.scheduler.slots
         return "no_slot" if len(table.out_of_service) == table.capacity else "ok"
 
     async def start(self) -> None:
         """Start the engine; with a real model, start loading it and return at once."""
+        self._ready_at = time.monotonic() + self.settings.startup_delay
         if self._real:
             self._loading = asyncio.create_task(self._load_and_start(), name="slotserve-load")
         else:
@@ -305,16 +327,52 @@ class Serving:
 
     def enqueue(self, seq: Sequence) -> RequestStream:
         """Queue a prepared sequence. The engine's refusal (``QueueFullError``,
-        ``DuplicateRequestError``, ``EngineDrainingError``, ``EngineDeadError``) is counted and
-        raised; the API layer turns it into its HTTP answer."""
+        ``DuplicateRequestError``, ``EngineDrainingError``, ``EngineDeadError``) or the server's
+        (``NotReadyError``: asleep, starting) is counted and raised; the API layer turns it
+        into its HTTP answer."""
         key = (seq.user or "") if self.api_keys.enabled else ""  # a label: key names only
         try:
+            self._check_awake()
             stream = self.engine.submit(seq)
         except EngineError as err:
             self.metrics.reject(REJECTION_REASONS.get(type(err), "engine_dead"), key)
             raise
         self.metrics.attribute(stream.request_id, key)
         return stream
+
+    def _check_awake(self) -> None:
+        if self.asleep:
+            raise NotReadyError(
+                f"the server is asleep (level {self.sleep_level}): POST /wake_up first", "sleeping"
+            )
+        if time.monotonic() < self._ready_at:
+            raise NotReadyError("the server is starting (--startup-delay)", "starting")
+
+    async def sleep(self, level: int) -> None:
+        """vLLM's sleep mode: from now on generation is refused (503 ``sleeping``), requests in
+        flight end with ``abort``, and once the engine is idle the prefix cache is emptied
+        (level 1 offloads the weights and discards the KV cache, level 2 discards both: the
+        mocks have no weights, so both levels do the same here and only the level is kept)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        engine = self.engine
+        self.asleep, self.sleep_level = SLEEP_PARTS, level
+        for request_id in list(engine.core.live):
+            engine.abort(request_id)
+        await engine.wait_idle()
+        await engine.reset_prefix_cache()
+        log.info("asleep (level %d)", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake ``tags`` (``weights``, ``kv_cache``; None: everything) up; the server serves
+        again once nothing is asleep."""
+        unknown = set(tags or ()) - SLEEP_PARTS
+        if unknown:
+            raise ValueError(f"unknown wake-up tag {sorted(unknown)[0]!r}: weights or kv_cache")
+        self.asleep = frozenset() if tags is None else self.asleep - set(tags)
+        if not self.asleep:
+            self.sleep_level = 0
+            log.info("awake")
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """End a live request early with ``reason`` (``abort``; failure injection uses
