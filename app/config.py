@@ -157,6 +157,19 @@ class Settings(BaseSettings):
     prefix_caching_hash_seed: str = Field(
         "0", description="seed of the first block's parent hash (vLLM's PYTHONHASHSEED)"
     )
+    enable_lora: bool = Field(False, description="serve LoRA adapters (simulated: the mocks only)")
+    lora_modules: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="LoRA adapters loaded at start, NAME=PATH (repeatable; the variable takes a "
+        "space- or comma-separated list)",
+    )
+    max_loras: int = Field(1, ge=1, description="distinct LoRA adapters in one batch")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="LoRA adapters loaded at once (unset: --max-loras)"
+    )
+    lora_switch_ms: float = Field(
+        0.0, ge=0, description="step clock: ms a step pays per adapter it loads into the batch"
+    )
     enable_sleep_mode: bool = Field(
         False, description="serve vLLM's POST /sleep, POST /wake_up and GET /is_sleeping"
     )
@@ -226,6 +239,37 @@ class Settings(BaseSettings):
     def priority_limits(self) -> dict[str, int]:
         """``--max-priority-for`` as {key name: best priority it may claim}."""
         return priority_limits(self.max_priority_for)
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _split_modules(cls, value: Any) -> Any:
+        return value.replace(",", " ").split() if isinstance(value, str) else value
+
+    @field_validator("lora_modules", mode="after")
+    @classmethod
+    def _parse_modules(cls, value: list[str]) -> list[str]:
+        from app.lora import parse_module
+
+        names = [parse_module(spec)[0] for spec in value]
+        repeated = {name for name in names if names.count(name) > 1}
+        if repeated:
+            raise ValueError(f"LoRA adapter {sorted(repeated)[0]!r} is named twice")
+        return value
+
+    @model_validator(mode="after")
+    def _lora_bounds(self) -> Self:
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"--max-cpu-loras ({self.max_cpu_loras}) must be >= --max-loras ({self.max_loras})"
+            )
+        if len(self.lora_modules) > (self.max_cpu_loras or self.max_loras):
+            raise ValueError(
+                f"{len(self.lora_modules)} --lora-modules exceed --max-cpu-loras "
+                f"({self.max_cpu_loras or self.max_loras})"
+            )
+        return self
 
     @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
     @classmethod

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
@@ -20,7 +21,7 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
 )
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from app.engine.core import EngineCore
@@ -88,6 +89,27 @@ class ObserverErrors(Collector):
             labels=list(self.labels),
         )  # fmt: skip
         family.add_metric(list(self.labels.values()), sum(self.core.observer_errors.values()))
+        yield family
+
+
+class LoRAInfo(Collector):
+    """``vllm:lora_requests_info`` as vLLM exports it: one series whose labels name the LoRA
+    adapters of the running and of the waiting requests (comma lists, sorted) and
+    ``max_lora``, and whose value is the time it was read (routers keep the newest)."""
+
+    def __init__(self, core: EngineCore, max_loras: int) -> None:
+        self.core, self.max_loras = core, max_loras
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        scheduler = self.core.scheduler
+        running = {s.lora for s in scheduler.slots.running() if s.lora is not None}
+        waiting = {s.lora for s in scheduler.waiting if s.lora is not None}
+        family = GaugeMetricFamily(
+            "vllm:lora_requests_info", "Running stats on lora requests.",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        )  # fmt: skip
+        labels = [str(self.max_loras), ",".join(sorted(waiting)), ",".join(sorted(running))]
+        family.add_metric(labels, time.time())
         yield family
 
 
@@ -215,6 +237,10 @@ class EngineMetrics:
         slots = core.scheduler.slots
         self.slots_out_of_service.labels(name).set_function(lambda: len(slots.out_of_service))
         self.registry.register(ObserverErrors(core, {"model_name": name}))
+
+    def watch_loras(self, core: EngineCore, max_loras: int) -> None:
+        """Export ``vllm:lora_requests_info`` read from ``core``."""
+        self.registry.register(LoRAInfo(core, max_loras))
 
     def watch_kv_events(self, publisher: KVEventPublisher) -> None:
         """Export ``publisher``'s batch counters."""

@@ -27,6 +27,7 @@ from app.engine.step_clock import StepCosts
 from app.engine.stop_strings import StopStrings
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
+from app.lora import LoRARegistry, parse_module
 from app.metrics import EngineMetrics
 from app.models.cached_mock import CachedMockModel
 from app.models.mock import MockModel
@@ -89,6 +90,7 @@ class GenerationParams:
     # the request's user for --policy fair (a client cannot override it) and
     # --max-priority-for bounds its priority.
     key_name: str | None = None
+    lora: str | None = None  # the LoRA adapter the request names (None: the base model)
 
 
 REJECTION_REASONS: dict[type[EngineError], str] = {
@@ -147,6 +149,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         prefill_token_ms=settings.mock_prefill_ms,
         decode_token_ms=settings.mock_per_seq_ms,
         jitter=settings.mock_jitter,
+        lora_load_ms=settings.lora_switch_ms if settings.enable_lora else 0.0,
     )
     return EngineConfig(
         num_slots=settings.num_slots,
@@ -160,6 +163,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         scheduling=policy_config(settings),
         enable_prefix_caching=settings.enable_prefix_caching,
         kv_events=settings.kv_events_endpoint is not None,
+        max_loras=settings.max_loras if settings.enable_lora else None,
         step_costs=costs,
         seed=settings.seed,
     )
@@ -209,6 +213,11 @@ class Serving:
         self.asleep: frozenset[str] = frozenset()  # the parts still asleep (see ``sleep``)
         self.sleep_level = 0
         self._ready_at = 0.0  # monotonic time --startup-delay ends (set by ``start``)
+        self.loras = LoRARegistry(
+            self.settings.model_name, settings.max_cpu_loras or settings.max_loras
+        )
+        for spec in settings.lora_modules if settings.enable_lora else ():
+            self.loras.load(*parse_module(spec))  # LoRAError: refused at start
         self.kv_events = kv_event_publisher(self.settings)
         if self.kv_events is not None:
             self.metrics.watch_kv_events(self.kv_events)
@@ -222,6 +231,8 @@ class Serving:
             model, engine_config(self.settings), observer=self.metrics, kv_events=self.kv_events
         )
         self.metrics.bind(self._engine.core)
+        if self.settings.enable_lora:
+            self.metrics.watch_loras(self._engine.core, self.settings.max_loras)
 
     @property
     def engine(self) -> Engine:
@@ -340,6 +351,15 @@ class Serving:
         self.metrics.attribute(stream.request_id, key)
         return stream
 
+    def adapter(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model, or unset);
+        ``LookupError`` if it names neither."""
+        if model is None or model == self.settings.model_name:
+            return None
+        if self.settings.enable_lora and model in self.loras.adapters:
+            return model
+        raise LookupError(model)
+
     def _check_awake(self) -> None:
         if self.asleep:
             raise NotReadyError(
@@ -441,6 +461,7 @@ class Serving:
             sampling=params.sampling,
             stop=text_stop,
             user=params.key_name if params.key_name is not None else params.user,
+            lora=params.lora,
         )
 
     def _priority(self, params: GenerationParams) -> int:

@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from sse_starlette.sse import AppStatus
 
-from app.api import admin, native, openai_compat, sleep
+from app.api import admin, lora, native, openai_compat, sleep
 from app.api.auth import ApiKeyAuth
 from app.api.errors import install_error_handlers
 from app.api.faults import FaultInjector
@@ -52,6 +52,8 @@ def create_app(settings: Settings | None = None, model: Model | None = None) -> 
     app.include_router(admin.router)
     if settings.enable_sleep_mode:
         app.include_router(sleep.router)
+    if settings.enable_lora:
+        app.include_router(lora.router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     if serving.api_keys.enabled:  # outermost: before the body is read or parsed
         app.add_middleware(ApiKeyAuth, keys=serving.api_keys)

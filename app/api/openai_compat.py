@@ -36,7 +36,12 @@ async def list_models(serving: ServingDep) -> dict[str, Any]:
         "max_model_len": serving.settings.max_model_len,
         "profile": serving.settings.profile,  # the GPU the step clock imitates (null: none)
     }
-    return {"object": "list", "data": [model]}
+    adapters = [
+        {"id": a.name, "object": "model", "created": int(serving.started_at),
+         "owned_by": "slotserve", "root": a.path, "parent": a.parent}
+        for a in serving.loras.adapters.values()
+    ]  # fmt: skip
+    return {"object": "list", "data": [model, *adapters]}
 
 
 @router.post("/completions", responses=ERROR_RESPONSES)
@@ -46,7 +51,7 @@ async def completions(
     ids = completion_prompt_ids(body, serving)
     max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
     run = _start(request, serving, body, ids, max_tokens, "cmpl", key_name)
-    shape = CompletionShape(run.id, serving.settings.model_name)
+    shape = CompletionShape(run.id, body.model or serving.settings.model_name)
     response = await _respond(run, body, request, serving, shape)
     return flag_ignored_priority(response, serving, body.priority)
 
@@ -61,7 +66,7 @@ async def chat_completions(
         body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
     )
     run = _start(request, serving, body, ids, max_tokens, "chatcmpl", key_name)
-    shape = ChatShape(run.id, serving.settings.model_name)
+    shape = ChatShape(run.id, body.model or serving.settings.model_name)
     response = await _respond(run, body, request, serving, shape)
     return flag_ignored_priority(response, serving, body.priority)
 
@@ -98,8 +103,10 @@ def _start(
     prefix: str,
     key_name: str | None,
 ) -> Run:
-    if body.model is not None and body.model != serving.settings.model_name:
-        raise model_not_found(body.model, serving.settings.model_name)
+    try:
+        lora = serving.adapter(body.model)  # the base model, a LoRA adapter, or 404
+    except LookupError:
+        raise model_not_found(str(body.model), serving.settings.model_name) from None
     unsupported = body.unsupported()
     if unsupported is not None:
         raise APIError(400, f"{unsupported} is not supported by this server (the mock has no "
@@ -110,7 +117,7 @@ def _start(
         prompt=ids, max_tokens=max_tokens, stop_token_ids=body.stop_token_ids,
         stop_strings=stops, ignore_eos=body.ignore_eos, priority=body.priority,
         sampling=body.sampling(), user=key_name if key_name is not None else body.user,
-        key_name=key_name,
+        key_name=key_name, lora=lora,
     )  # fmt: skip
     stream = faults.submit(
         request, serving, params, streaming=bool(body.stream), id_prefix=prefix, model=body.model

@@ -41,6 +41,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     # Publish the prefix cache's changes (KV events) to the engine's ``KVEventSink``.
     kv_events: bool = False
+    max_loras: int | None = None  # LoRA: distinct adapters per batch (None: LoRA off)
     step_costs: StepCosts = NO_STEP_TIME  # the simulated step time (zero: none)
     seed: int = 0  # the step clock's jitter
     # Run each model call in a worker thread, unless the model declares ``blocking = False``
@@ -59,6 +60,7 @@ class EngineConfig:
             scheduling=self.scheduling,
             enable_prefix_caching=self.enable_prefix_caching,
             record_kv_events=self.kv_events and self.enable_prefix_caching,
+            max_loras=self.max_loras,
         )
 
 

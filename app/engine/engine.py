@@ -276,7 +276,7 @@ class Engine:
         if self.clock.enabled:
             prefill, decode = out.num_prefill_tokens, out.num_decode_tokens
             deadline = self.clock.paced_deadline(
-                out.started_at, prefill, decode, self._last_deadline
+                out.started_at, prefill, decode, self._last_deadline, out.lora_loads
             )
             self._last_deadline = deadline
             await sleep_until(deadline, self.core.clock)

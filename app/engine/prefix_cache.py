@@ -36,6 +36,7 @@ class CachedBlock:
     parent: CachedBlock | None
     tokens: tuple[int, ...]
     refs: int = 0
+    lora: str | None = None  # the LoRA adapter whose KV it holds (part of its key)
     # The block's hash in vLLM's scheme (app/kv_events/hashing.py), computed once, when a KV
     # event first names it (by the event publisher's thread: nothing else reads or writes it).
     digest: bytes | None = None
@@ -117,8 +118,9 @@ class PrefixCache:
 
     def state(self, seq: Sequence) -> PrefixState:
         """``seq``'s prefix state, its prompt's chain keys computed at its first lookup."""
-        if seq.prefix is None:
-            size, parent, keys = self.block_size, 0, []
+        if seq.prefix is None:  # an adapter's blocks chain from their own root
+            size, keys = self.block_size, []
+            parent = 0 if seq.lora is None else hash(("lora", seq.lora))
             prompt = seq.tokens[: seq.prompt_len]
             for start in range(0, len(prompt) - size + 1, size):
                 parent = hash((parent, *prompt[start : start + size]))
@@ -168,7 +170,8 @@ class PrefixCache:
                 self._drop(block)  # a stale entry (its parent was evicted): replace it
                 block = None
             if block is None:
-                block = CachedBlock(keys[i], parent, tuple(tokens[i * size : (i + 1) * size]))
+                block = CachedBlock(keys[i], parent, tuple(tokens[i * size : (i + 1) * size]),
+                                    lora=seq.lora)  # fmt: skip
                 entries[keys[i]] = block
                 self._ref(block)
                 state.blocks.append(block)

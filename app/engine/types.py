@@ -90,6 +90,7 @@ class Sequence:
     sampling: SamplingParams = DEFAULT_SAMPLING
     stop: StopCondition | None = None
     user: str | None = None
+    lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
     prompt_len: int = 0
     token_limit: int = 0  # len(tokens) at which max_tokens is reached
     status: RequestStatus = RequestStatus.WAITING

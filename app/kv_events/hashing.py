@@ -5,7 +5,8 @@ vLLM (``vllm/v1/core/kv_cache_utils.py``): block ``i`` of a prompt hashes
 hash, or for the first block ``NONE_HASH = H(seed)`` with the seed vLLM reads from
 ``PYTHONHASHSEED`` (here ``--prefix-caching-hash-seed``). ``H`` is ``--prefix-caching-hash-algo``:
 ``sha256`` (SHA-256 of the pickled tuple, vLLM's default) or ``sha256_cbor`` (SHA-256 of its
-canonical CBOR, language-neutral). ``extra_keys`` is None for a plain text prompt. An event
+canonical CBOR, language-neutral). ``extra_keys`` is None for a plain text prompt, and
+``(adapter name,)`` for a LoRA request's blocks, as in vLLM. An event
 carries the hash's low 64 bits (big-endian) as an integer, as vLLM does by default.
 """
 
@@ -48,12 +49,14 @@ class BlockHasher:
         self.fn = HASH_FUNCTIONS[algo]
         self.none_hash = self.fn(seed)
 
-    def token_hashes(self, token_ids: list[int], block_size: int) -> list[bytes]:
+    def token_hashes(
+        self, token_ids: list[int], block_size: int, lora: str | None = None
+    ) -> list[bytes]:
         """The hashes of the full blocks of ``token_ids`` (what a router computes)."""
         out: list[bytes] = []
-        parent = self.none_hash
+        parent, extra = self.none_hash, None if lora is None else (lora,)
         for start in range(0, len(token_ids) - block_size + 1, block_size):
-            parent = self.fn((parent, tuple(token_ids[start : start + block_size]), None))
+            parent = self.fn((parent, tuple(token_ids[start : start + block_size]), extra))
             out.append(parent)
         return out
 
@@ -68,5 +71,6 @@ class BlockHasher:
             node = node.parent
         parent = self.none_hash if node is None or node.digest is None else node.digest
         for link in reversed(chain):
-            link.digest = parent = self.fn((parent, link.tokens, None))
+            extra = None if link.lora is None else (link.lora,)
+            link.digest = parent = self.fn((parent, link.tokens, extra))
         return parent

@@ -207,7 +207,7 @@ class KVEventPublisher:
             tokens = [t for block in event.blocks for t in block.tokens]
             hashes = [external(digest(block), as_int) for block in event.blocks]
             return BlockStored(hashes, parent, tokens, self.config.block_size, None, MEDIUM_GPU,
-                               None)  # fmt: skip
+                               first.lora)  # fmt: skip
         if event.kind is CacheEventKind.REMOVED:
             return BlockRemoved([external(digest(b), as_int) for b in event.blocks], MEDIUM_GPU)
         return AllBlocksCleared()
