@@ -170,6 +170,13 @@ class Settings(BaseSettings):
     lora_switch_ms: float = Field(
         0.0, ge=0, description="step clock: ms a step pays per adapter it loads into the batch"
     )
+    data_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="engines behind this port, each with its own slots, queue, "
+        "prefix cache and step clock (the mocks only)",
+    )
     enable_sleep_mode: bool = Field(
         False, description="serve vLLM's POST /sleep, POST /wake_up and GET /is_sleeping"
     )

@@ -21,7 +21,12 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from app.engine.core import EngineCore
@@ -131,6 +136,35 @@ class KVEventCounters(Collector):
                                ("failed", pub.errors)):  # fmt: skip
             family.add_metric([*values, outcome], count)
         yield family
+
+
+class RankedMetrics(Collector):
+    """The metrics of several data-parallel ranks as one set of families, each sample
+    labelled ``engine="<rank>"`` (vLLM's label for an engine core)."""
+
+    def __init__(self, registries: Seq[CollectorRegistry]) -> None:
+        self.registries = registries
+
+    def collect(self) -> Iterable[Metric]:
+        merged: dict[str, Metric] = {}
+        for rank, registry in enumerate(self.registries):
+            for family in registry.collect():
+                target = merged.get(family.name)
+                if target is None:
+                    target = Metric(family.name, family.documentation, family.type, family.unit)
+                    merged[family.name] = target
+                for sample in family.samples:
+                    labels = {**sample.labels, "engine": str(rank)}
+                    target.add_sample(sample.name, labels, sample.value, sample.timestamp,
+                                      sample.exemplar)  # fmt: skip
+        yield from merged.values()
+
+
+def ranked_registry(ranks: Seq[EngineMetrics]) -> CollectorRegistry:
+    """One registry exporting every rank's metrics (``RankedMetrics``)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RankedMetrics([metrics.registry for metrics in ranks]))
+    return registry
 
 
 class EngineMetrics:

@@ -20,6 +20,7 @@ from app.engine.errors import (
     EngineDrainingError,
     EngineError,
     QueueFullError,
+    UnsupportedFeatureError,
 )
 from app.engine.policies import PolicyConfig, PolicyName
 from app.engine.scheduler import BatchingPolicy
@@ -28,7 +29,7 @@ from app.engine.stop_strings import StopStrings
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
 from app.lora import LoRARegistry, parse_module
-from app.metrics import EngineMetrics
+from app.metrics import EngineMetrics, ranked_registry
 from app.models.cached_mock import CachedMockModel
 from app.models.mock import MockModel
 from app.models.mock_language import MockLanguage
@@ -208,7 +209,8 @@ class Serving:
         self.api_keys = settings.api_keys()
         self.load_error: str | None = None
         self._loading: asyncio.Task[None] | None = None
-        self._engine: Engine | None = None
+        self._engine: Engine | None = None  # rank 0's (the only one without data parallelism)
+        self.engines: list[Engine] = []  # one per data-parallel rank, once installed
         self._tokenizer: Tokenizer | None = None
         self.asleep: frozenset[str] = frozenset()  # the parts still asleep (see ``sleep``)
         self.sleep_level = 0
@@ -218,21 +220,42 @@ class Serving:
         )
         for spec in settings.lora_modules if settings.enable_lora else ():
             self.loras.load(*parse_module(spec))  # LoRAError: refused at start
-        self.kv_events = kv_event_publisher(self.settings)
-        if self.kv_events is not None:
-            self.metrics.watch_kv_events(self.kv_events)
+        ranks = settings.data_parallel_size
+        if ranks > 1 and (model is not None or self._real):
+            raise UnsupportedFeatureError(
+                "--data-parallel-size > 1 runs one built-in mock per rank (not a given or real "
+                "model)"
+            )
+        # per rank: its metrics (labelled engine=<rank> on /metrics) and KV-event publisher
+        self.rank_metrics = [self.metrics] + [
+            EngineMetrics(self.settings.model_name, self.settings.num_slots, self.settings.profile)
+            for _ in range(1, ranks)
+        ]
+        self.metrics_registry = (
+            self.metrics.registry if ranks == 1 else ranked_registry(self.rank_metrics)
+        )
+        self.rank_events: list[KVEventPublisher | None] = []
+        for rank, metrics in enumerate(self.rank_metrics):
+            publisher = kv_event_publisher(self.settings, rank)
+            self.rank_events.append(publisher)
+            if publisher is not None:
+                metrics.watch_kv_events(publisher)
+        self.kv_events = self.rank_events[0]
         if not self._real:
             self._install(model if model is not None else build_model(settings), ByteTokenizer())
 
     def _install(self, model: Model, tokenizer: Tokenizer) -> None:
         self.model = model
         self._tokenizer = tokenizer
-        self._engine = Engine(
-            model, engine_config(self.settings), observer=self.metrics, kv_events=self.kv_events
-        )
-        self.metrics.bind(self._engine.core)
-        if self.settings.enable_lora:
-            self.metrics.watch_loras(self._engine.core, self.settings.max_loras)
+        config = engine_config(self.settings)
+        for rank, metrics in enumerate(self.rank_metrics):
+            rank_model = model if rank == 0 else build_model(self.settings)
+            engine = Engine(rank_model, config, observer=metrics, kv_events=self.rank_events[rank])
+            metrics.bind(engine.core)
+            if self.settings.enable_lora:
+                metrics.watch_loras(engine.core, self.settings.max_loras)
+            self.engines.append(engine)
+        self._engine = self.engines[0]
 
     @property
     def engine(self) -> Engine:
@@ -272,19 +295,18 @@ class Serving:
         ``draining``, ``engine_dead``, ``sleeping`` (``POST /sleep``), ``starting`` (within
         ``--startup-delay``), or ``no_slot`` (every slot is out of service: the model cannot
         reset any)."""
-        engine = self._engine
-        if engine is None:
+        if self._engine is None:
             return "loading" if self.load_error is None else "load_failed"
-        if engine.draining:
+        if any(engine.draining for engine in self.engines):
             return "draining"
-        if not engine.alive:
+        if not all(engine.alive for engine in self.engines):
             return "engine_dead"
         if self.asleep:
             return "sleeping"
         if time.monotonic() < self._ready_at:
             return "starting"
-        table = engine.core.scheduler.slots
-        return "no_slot" if len(table.out_of_service) == table.capacity else "ok"
+        tables = [engine.core.scheduler.slots for engine in self.engines]
+        return "no_slot" if all(len(t.out_of_service) == t.capacity for t in tables) else "ok"
 
     async def start(self) -> None:
         """Start the engine; with a real model, start loading it and return at once."""
@@ -292,7 +314,8 @@ class Serving:
         if self._real:
             self._loading = asyncio.create_task(self._load_and_start(), name="slotserve-load")
         else:
-            await self.engine.start()
+            for engine in self.engines:
+                await engine.start()
 
     async def _load_and_start(self) -> None:
         from app.models.hf import ModelLoadError
@@ -321,10 +344,10 @@ class Serving:
     async def stop(self, grace: float = 0.0) -> None:
         if self._loading is not None and not self._loading.done():
             self._loading.cancel()
-        if self._engine is not None:
-            await self._engine.stop(grace)
-        if self.kv_events is not None:
-            await asyncio.to_thread(self.kv_events.close)
+        await asyncio.gather(*(engine.stop(grace) for engine in self.engines))
+        for publisher in self.rank_events:
+            if publisher is not None:
+                await asyncio.to_thread(publisher.close)
 
     def submit(self, params: GenerationParams, id_prefix: str = "gen") -> RequestStream:
         """Validate ``params`` against the model and queue the request: ``prepare`` then
@@ -336,20 +359,35 @@ class Serving:
         KV capacity); ``InvalidRequestError`` if it cannot run. Nothing is queued yet."""
         return self._sequence(params, id_prefix)
 
-    def enqueue(self, seq: Sequence) -> RequestStream:
-        """Queue a prepared sequence. The engine's refusal (``QueueFullError``,
-        ``DuplicateRequestError``, ``EngineDrainingError``, ``EngineDeadError``) or the server's
-        (``NotReadyError``: asleep, starting) is counted and raised; the API layer turns it
-        into its HTTP answer."""
+    def enqueue(self, seq: Sequence, rank: int | None = None) -> RequestStream:
+        """Queue a prepared sequence on data-parallel rank ``rank`` (None: the least loaded).
+        The engine's refusal (``QueueFullError``, ``DuplicateRequestError``,
+        ``EngineDrainingError``, ``EngineDeadError``) or the server's (``NotReadyError``:
+        asleep, starting) is counted and raised; the API layer turns it into its HTTP answer."""
         key = (seq.user or "") if self.api_keys.enabled else ""  # a label: key names only
         try:
             self._check_awake()
-            stream = self.engine.submit(seq)
+            engine = self.engine if rank is None and len(self.engines) == 1 else self._pick(rank)
+            if len(self.engines) > 1 and self._rank_of(seq.request_id) is not None:
+                raise DuplicateRequestError(f"request id {seq.request_id!r} is already in use")
+            stream = engine.submit(seq)
         except EngineError as err:
             self.metrics.reject(REJECTION_REASONS.get(type(err), "engine_dead"), key)
             raise
-        self.metrics.attribute(stream.request_id, key)
+        self.rank_metrics[self.engines.index(engine)].attribute(stream.request_id, key)
         return stream
+
+    def _pick(self, rank: int | None) -> Engine:
+        """Rank ``rank``'s engine, or the least loaded one (fewest live requests; ties: the
+        lowest rank). ``rank`` must be in range (the API checks the header)."""
+        engines = self.engines or [self.engine]
+        if rank is not None:
+            return engines[rank]
+        return min(engines, key=lambda engine: len(engine.core.live))
+
+    def _rank_of(self, request_id: str) -> int | None:
+        """The rank whose engine holds the live request ``request_id``."""
+        return next((r for r, e in enumerate(self.engines) if request_id in e.core.live), None)
 
     def adapter(self, model: str | None) -> str | None:
         """The LoRA adapter a request's ``model`` names (None: the base model, or unset);
@@ -375,12 +413,14 @@ class Serving:
         mocks have no weights, so both levels do the same here and only the level is kept)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
-        engine = self.engine
+        self.engine  # noqa: B018 (ModelLoadingError while a real model loads)
         self.asleep, self.sleep_level = SLEEP_PARTS, level
-        for request_id in list(engine.core.live):
-            engine.abort(request_id)
-        await engine.wait_idle()
-        await engine.reset_prefix_cache()
+        for engine in self.engines:
+            for request_id in list(engine.core.live):
+                engine.abort(request_id)
+        for engine in self.engines:
+            await engine.wait_idle()
+            await engine.reset_prefix_cache()
         log.info("asleep (level %d)", level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -398,21 +438,26 @@ class Serving:
         """End a live request early with ``reason`` (``abort``; failure injection uses
         ``error``); its stream ends and its slot is free before the next model call. False if
         no live request has this id."""
-        return self.engine.abort(request_id, reason)
+        if len(self.engines) <= 1:
+            return self.engine.abort(request_id, reason)
+        rank = self._rank_of(request_id)
+        return rank is not None and self.engines[rank].abort(request_id, reason)
 
     async def cancel(self, request_id: str) -> bool:
         """Abort a live request and wait (at most ``CANCEL_TIMEOUT``) until the engine has
         applied it, so its id is free again on return. False if no live request has this id."""
-        stream = self.engine.core.live.get(request_id)
+        rank = self._rank_of(request_id) if len(self.engines) > 1 else 0
+        stream = None if rank is None else self.engines[rank].core.live.get(request_id)
         if stream is None or not self.abort(request_id):
             return False
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stream.ended(), CANCEL_TIMEOUT)
         return True
 
-    def slots(self) -> list[dict[str, object]]:
-        """The slot table now, one entry per slot (like llama.cpp's ``/slots``)."""
-        scheduler, now = self.engine.core.scheduler, time.monotonic()
+    def slots(self, rank: int = 0) -> list[dict[str, object]]:
+        """Rank ``rank``'s slot table now, one entry per slot (like llama.cpp's ``/slots``)."""
+        engine = self.engine if rank == 0 else self.engines[rank]
+        scheduler, now = engine.core.scheduler, time.monotonic()
         table, scheduling = scheduler.slots, scheduler.scheduling
         out_of_service = table.out_of_service
         out: list[dict[str, object]] = []

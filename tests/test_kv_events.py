@@ -144,12 +144,12 @@ class Subscriber:
         self.replay.close(linger=0)
         self.ctx.term()
 
-    def books(self) -> set[int | bytes]:
+    def books(self, rank: int = 0) -> set[int | bytes]:
         """Stored minus removed over every batch in order; checks each batch's shape."""
         held: set[int | bytes] = set()
         for seq in sorted(self.batches):
             batch = self.batches[seq]
-            assert batch.data_parallel_rank == 0
+            assert batch.data_parallel_rank == rank
             for event in batch.events:
                 if isinstance(event, BlockStored):
                     assert event.parent_block_hash is None or event.parent_block_hash in held
