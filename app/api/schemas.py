@@ -41,6 +41,7 @@ class SamplingFields(BaseModel):
     temperature: Annotated[float, Field(ge=0, le=100)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[StrictInt, Field(ge=-1)] | None = Field(None, description="-1 or 0: off")
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = Field(None, description="0: off")
     seed: StrictInt | None = Field(None, description="same seed, same tokens, whatever the batch")
 
     def sampling(self) -> SamplingParams:
@@ -49,6 +50,7 @@ class SamplingFields(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=max(0, self.top_k or 0),
             seed=self.seed,
+            min_p=0.0 if self.min_p is None else self.min_p,
         )
 
 

@@ -32,8 +32,9 @@ class SamplingParams:
     """How one request picks its next token. Stateless and cached mocks ignore it.
 
     ``temperature`` None means the model's default (the checkpoint's generation config, else
-    1.0); 0 means greedy (argmax). ``top_k`` 0 and ``top_p`` 1.0 are off. A request with a
-    ``seed`` draws its tokens from its own generator seeded once, so it gets the same tokens
+    1.0); 0 means greedy (argmax). ``top_k`` 0, ``top_p`` 1.0 and ``min_p`` 0 are off
+    (``min_p``: drop the tokens less likely than ``min_p`` times the most likely one). A request
+    with a ``seed`` draws each token from (seed, position) alone, so it gets the same tokens
     whatever else shares its batch.
     """
 
@@ -41,6 +42,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0
 
     @property
     def is_default(self) -> bool:

@@ -54,7 +54,19 @@ class HFModel:
             return []
         logits, params, positions = self._run(batch)
         with torch.inference_mode():
+            logits = self._before_sampling(logits, params, positions)
             return self._sampler.sample(logits, params, positions)
+
+    def _before_sampling(
+        self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
+    ) -> torch.Tensor:
+        """THE place where the stages between the forward and the draw run, in this order,
+        each over the float32 logits (rows, vocab) of the step's output rows and skipped
+        entirely when no row needs it: 1. logits processors (penalties, logit_bias, min_tokens,
+        bad_words, allowed_token_ids), 2. grammar token masks, 3. logprobs capture. Returns the
+        logits the ``Sampler`` draws from (none of these stages exists yet: unchanged)."""
+        del params, positions
+        return logits
 
     def step_logits(self, batch: StepBatch) -> torch.Tensor:
         """Runs ``batch`` exactly as ``step`` does (the cache advances) but returns the float32
