@@ -294,6 +294,18 @@ class Settings(BaseSettings):
             )
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        pub, replay, ranks = (
+            self.kv_events_endpoint,
+            self.kv_events_replay_endpoint,
+            self.data_parallel_size,
+        )
+        if pub and replay and pub.startswith("tcp://") and replay.startswith("tcp://"):
+            first, other = int(pub.rsplit(":", 1)[1]), int(replay.rsplit(":", 1)[1])
+            if abs(first - other) < ranks:  # rank r uses port + r for both (vLLM's rule)
+                raise ValueError(
+                    f"--kv-events-replay-endpoint's port must be at least --data-parallel-size "
+                    f"({ranks}) away from --kv-events-endpoint's (each rank adds its rank)"
+                )
         return self
 
     @model_validator(mode="after")

@@ -8,6 +8,7 @@ can stall or kill the engine."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import pickle
 import random
@@ -76,15 +77,17 @@ DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 # --- vLLM's block hash, reimplemented ----------------------------------------------------------
 
 
-def vllm_hashes(tokens: list[int], algo: str = "sha256", seed: str = "0") -> list[int]:
+def vllm_hashes(
+    tokens: list[int], algo: str = "sha256", seed: str = "0", lora: str | None = None
+) -> list[int]:
     def h(value: Any) -> bytes:
         if algo == "sha256":
             return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
         return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
 
-    parent, out = h(seed), []
+    parent, out, extra = h(seed), [], None if lora is None else (lora,)
     for start in range(0, len(tokens) - BS + 1, BS):
-        parent = h((parent, tuple(tokens[start : start + BS]), None))
+        parent = h((parent, tuple(tokens[start : start + BS]), extra))
         out.append(int.from_bytes(parent, "big") & ((1 << 64) - 1))
     return out
 
@@ -196,7 +199,7 @@ async def run(engine: Engine, seqs: list[Sequence]) -> None:
 def expected_books(engine: Engine) -> set[int | bytes]:
     cache = engine.core.scheduler.prefix_cache
     assert cache is not None
-    return {vllm_hashes(chain_tokens(b))[-1] for b in cache.blocks()}
+    return {vllm_hashes(chain_tokens(b), lora=b.lora)[-1] for b in cache.blocks()}
 
 
 async def settle(publisher: KVEventPublisher, sub: Subscriber) -> None:
@@ -294,6 +297,34 @@ def test_block_hashes_follow_vllm(algo: str) -> None:
         parent = CachedBlock(i, parent, tuple(tokens[i * BS : (i + 1) * BS]))
     assert parent is not None
     assert hasher.digest(parent) == hasher.token_hashes(tokens, BS)[-1]
+
+
+async def test_lora_blocks_are_their_adapters_own(tmp_path: Path) -> None:
+    """The same prompt under two adapters and the base model: three chains, hashed with the
+    adapter's name as vLLM's extra key, ``lora_name`` on each ``BlockStored``."""
+    publisher = KVEventPublisher(config(tmp_path))
+    sub = Subscriber(publisher.endpoint, str(publisher.replay_endpoint))
+    engine_cfg = dataclasses.replace(engine_config(), max_loras=2)
+    engine = Engine(CachedMockModel(6), engine_cfg, kv_events=publisher)
+    await engine.start()
+    try:
+        prompt = [*range(10, 10 + 3 * BS), 1]
+        seqs = [Sequence(f"r{i}", list(prompt), 2, frozenset({0}), lora=lora)
+                for i, lora in enumerate((None, "sql", "chat"))]  # fmt: skip
+        await run(engine, seqs)
+        await settle(publisher, sub)
+        stored = [e for b in sub.batches.values() for e in b.events if isinstance(e, BlockStored)]
+        names: dict[str | None, list[int | bytes]] = {}
+        for event in stored:  # (chunked prefill: a prompt's blocks over several events)
+            names.setdefault(event.lora_name, []).extend(event.block_hashes)
+        assert set(names) == {None, "sql", "chat"}
+        for lora, hashes in names.items():
+            assert hashes == vllm_hashes(prompt, lora=lora)
+        assert sub.books() == expected_books(engine)
+    finally:
+        await engine.stop()
+        publisher.close()
+        sub.close()
 
 
 class Exploding:
