@@ -46,6 +46,9 @@ ENDPOINT = re.compile(
     r"^(tcp://(\*|\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.:-]+):\d{1,5}|ipc://.+|inproc://.+)$"
 )
 POLL_SECONDS = 0.05  # the thread's wake-up period while idle (serves replays meanwhile)
+# Once a batch arrives, the thread waits this long for more and sends them all in one go: one
+# wake-up (and one hand-over of the GIL by the engine) per period instead of one per step.
+COALESCE_SECONDS = 0.005
 
 
 class KVEventsError(Exception):
@@ -179,8 +182,14 @@ class KVEventPublisher:
                     if self._stopping.is_set():
                         return
                     continue
-                if item is not None:
+                if not self._stopping.is_set():
+                    time.sleep(COALESCE_SECONDS)
+                while item is not None:
                     self._send(*item)
+                    try:
+                        item = self._queue.get_nowait()
+                    except queue.Empty:
+                        item = None
         finally:
             self._pub.close(linger=0)
             if self._replay is not None:
