@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.cli import check_real_model, parse
 from app.config import Settings
+from app.engine.policies import PolicyConfig, PolicyName
 from app.engine.scheduler import Scheduler, SchedulerConfig
 from app.engine.step import ModelOutput
 from app.engine.types import RequestStatus, Sequence
@@ -35,9 +36,12 @@ class MaxLorasMachine(RuleBasedStateMachine):
     rule, and a free slot is left empty only when every waiting request needs a new adapter."""
 
     @initialize(
-        max_loras=st.integers(1, 3), slots=st.integers(1, 5), budget=st.sampled_from([None, 8])
+        max_loras=st.integers(1, 3),
+        slots=st.integers(1, 5),
+        budget=st.sampled_from([None, 8]),
+        policy=st.sampled_from(["fcfs", "mlfq", "priority"]),
     )
-    def start(self, max_loras: int, slots: int, budget: int | None) -> None:
+    def start(self, max_loras: int, slots: int, budget: int | None, policy: str) -> None:
         self.max_loras = max_loras
         self.budget = budget
         self.scheduler = Scheduler(
@@ -45,6 +49,7 @@ class MaxLorasMachine(RuleBasedStateMachine):
                 slots,
                 max_num_batched_tokens=None if budget is None else max(budget, slots),
                 max_loras=max_loras,
+                scheduling=PolicyConfig(PolicyName(policy), mlfq_quantum=1),
             )
         )
         self.live: list[Sequence] = []
@@ -52,10 +57,11 @@ class MaxLorasMachine(RuleBasedStateMachine):
         self.now = 0.0
 
     @rule(lora=st.sampled_from((None, *ADAPTERS)), prompt=st.integers(1, 12),
-          out=st.integers(1, 6))  # fmt: skip
-    def arrive(self, lora: str | None, prompt: int, out: int) -> None:
+          out=st.integers(1, 6), priority=st.integers(-2, 2))  # fmt: skip
+    def arrive(self, lora: str | None, prompt: int, out: int, priority: int) -> None:
         self.n += 1
-        seq = Sequence(f"r{self.n}", [5] * prompt, out, frozenset({NEVER}), lora=lora)
+        seq = Sequence(f"r{self.n}", [5] * prompt, out, frozenset({NEVER}), lora=lora,
+                       priority=priority)  # fmt: skip
         self.scheduler.add(seq, self.now)
         self.live.append(seq)
 

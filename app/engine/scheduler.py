@@ -309,6 +309,10 @@ class Scheduler:
         candidate = policy.select(self.waiting, now)
         if now - candidate.queued_at < policy.config.preemption_delay:
             return  # it may still get a slot that frees on its own
+        if self.config.max_loras is not None and not self._lora_fits(
+            candidate, self._running_loras()
+        ):
+            return  # its adapter could not join the batch: a freed slot would go to another
         victim = policy.victim(candidate, self.slots.running(), now)
         # a victim one overtake from the bound would be served first again at once: a
         # preempt-and-readmit loop that would also leave the candidate waiting
