@@ -285,3 +285,21 @@ def test_lora_flags_are_checked_at_start(
         "slotserve: error: --enable-lora: LoRA adapters are simulated for the mocks only; a real "
         "model has no LoRA weights path"
     )
+
+
+def test_the_openai_client_names_an_adapter_on_a_real_server(tmp_path: Path) -> None:
+    from openai import NotFoundError, OpenAI
+    from server_process import running_server
+
+    with running_server("--enable-lora", "--lora-modules", f"sql={tmp_path}") as server:
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        models = {m.id: m for m in client.models.list()}
+        assert models["sql"].model_extra == {"root": str(tmp_path), "parent": "slotserve-mock"}
+        reply = client.completions.create(model="sql", prompt="Once ", max_tokens=4)
+        assert reply.model == "sql" and reply.choices[0].text
+        chat = client.chat.completions.create(
+            model="sql", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, stream=True
+        )
+        assert {chunk.model for chunk in chat} == {"sql"}
+        with pytest.raises(NotFoundError):
+            client.completions.create(model="nope", prompt="Once ", max_tokens=4)
