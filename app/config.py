@@ -151,6 +151,11 @@ class Settings(BaseSettings):
     kv_events_int_hashes: bool = Field(
         True, description="KV events carry block hashes as 64-bit integers (else the bytes)"
     )
+    kv_events_encoding: Literal["array", "map"] = Field(
+        "array",
+        description="KV-event structs as msgpack arrays (vLLM's long-standing layout, "
+        "llm-d, Dynamo) or maps (recent vLLM)",
+    )
     prefix_caching_hash_algo: Literal["sha256", "sha256_cbor"] = Field(
         "sha256", description="block hash of KV events, as vLLM's flag (pickle or CBOR + SHA-256)"
     )

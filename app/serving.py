@@ -187,6 +187,7 @@ def kv_event_publisher(settings: Settings, rank: int = 0) -> KVEventPublisher | 
         hash_algo=settings.prefix_caching_hash_algo,
         hash_seed=settings.prefix_caching_hash_seed,
         int_hashes=settings.kv_events_int_hashes,
+        encoding=settings.kv_events_encoding,
     )
     return KVEventPublisher(config, rank)
 

@@ -74,6 +74,40 @@ class KVEventBatch(EventBatch):
 DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 
 
+class Recent:
+    """Recent vLLM's schema: the same structs without ``array_like`` (maps), with the fields
+    it added since (defaults, omitted when unset)."""
+
+    class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+        pass
+
+    class BlockStored(KVCacheEvent, tag="BlockStored"):  # (nested: its own name as the tag)
+        block_hashes: list[int | bytes]
+        parent_block_hash: int | bytes | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+        lora_name: str | None
+        extra_keys: list[tuple[Any, ...] | None] | None = None
+        group_idx: int | None = None
+        kv_cache_spec_kind: str | None = None
+        kv_cache_spec_sliding_window: int | None = None
+
+    class BlockRemoved(KVCacheEvent, tag="BlockRemoved"):
+        block_hashes: list[int | bytes]
+        medium: str | None
+        group_idx: int | None = None
+
+    class AllBlocksCleared(KVCacheEvent, tag="AllBlocksCleared"):
+        pass
+
+    class KVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
+        ts: float
+        events: list[Recent.BlockStored | Recent.BlockRemoved | Recent.AllBlocksCleared]
+        data_parallel_rank: int | None = None
+
+
 # --- vLLM's block hash, reimplemented ----------------------------------------------------------
 
 
@@ -107,14 +141,17 @@ def chain_tokens(block: CachedBlock) -> list[int]:
 class Subscriber:
     """SUB + DEALER (replay) sockets; ``batches`` by sequence number."""
 
-    def __init__(self, endpoint: str, replay: str, topic: bytes = b"") -> None:
+    def __init__(
+        self, endpoint: str, replay: str, topic: bytes = b"", decoder: Any = DECODER
+    ) -> None:
+        self.decoder = decoder
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic)
         self.sub.connect(endpoint)
         self.replay = self.ctx.socket(zmq.DEALER)
         self.replay.connect(replay)
-        self.batches: dict[int, KVEventBatch] = {}
+        self.batches: dict[int, Any] = {}
         self.topics: set[bytes] = set()
 
     def receive(self, timeout_ms: int = 50) -> int:
@@ -123,7 +160,7 @@ class Subscriber:
         while self.sub.poll(timeout_ms):
             topic, seq, payload = self.sub.recv_multipart()
             self.topics.add(topic)
-            self.batches[int.from_bytes(seq, "big")] = DECODER.decode(payload)
+            self.batches[int.from_bytes(seq, "big")] = self.decoder.decode(payload)
             got += 1
         return got
 
@@ -139,7 +176,7 @@ class Subscriber:
             if seq == -1:
                 assert payload == b""
                 return seqs
-            self.batches[seq] = DECODER.decode(payload)
+            self.batches[seq] = self.decoder.decode(payload)
             seqs.append(seq)
 
     def close(self) -> None:
@@ -154,16 +191,18 @@ class Subscriber:
             batch = self.batches[seq]
             assert batch.data_parallel_rank == rank
             for event in batch.events:
-                if isinstance(event, BlockStored):
+                kind = type(event).__name__
+                if kind == "BlockStored":
                     assert event.parent_block_hash is None or event.parent_block_hash in held
                     assert len(event.token_ids) == BS * len(event.block_hashes)
                     assert event.block_size == BS and event.medium == "GPU"
                     assert not held & set(event.block_hashes)
                     held |= set(event.block_hashes)
-                elif isinstance(event, BlockRemoved):
+                elif kind == "BlockRemoved":
                     assert set(event.block_hashes) <= held
                     held -= set(event.block_hashes)
                 else:
+                    assert kind == "AllBlocksCleared"
                     held.clear()
         return held
 
@@ -236,6 +275,25 @@ async def test_the_books_balance_after_a_shared_prefix_workload(tmp_path: Path) 
         await settle(publisher, sub)
         assert isinstance(sub.batches[max(sub.batches)].events[-1], AllBlocksCleared)
         assert sub.books() == set() == expected_books(engine)
+    finally:
+        await engine.stop()
+        publisher.close()
+        sub.close()
+
+
+async def test_recent_vllms_map_encoding_balances_the_books_too(tmp_path: Path) -> None:
+    publisher = KVEventPublisher(config(tmp_path, encoding="map"))
+    decoder = msgspec.msgpack.Decoder(Recent.KVEventBatch)
+    sub = Subscriber(publisher.endpoint, str(publisher.replay_endpoint), decoder=decoder)
+    engine = Engine(CachedMockModel(6), engine_config(), kv_events=publisher)
+    await engine.start()
+    try:
+        await run(engine, workload(30, random.Random(5)))
+        await settle(publisher, sub)
+        assert sub.books() == expected_books(engine)
+        first = msgspec.msgpack.decode(publisher._buffer[0][1])
+        assert set(first) == {"ts", "events", "data_parallel_rank"}
+        assert first["events"][0]["type"] == "BlockStored"
     finally:
         await engine.stop()
         publisher.close()

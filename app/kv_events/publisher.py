@@ -25,6 +25,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import msgspec
 import zmq
@@ -37,7 +38,14 @@ from app.kv_events.schema import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+    MapAllBlocksCleared,
+    MapBlockRemoved,
+    MapBlockStored,
+    MapKVEventBatch,
 )
+
+ARRAY = (KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared)
+MAP = (MapKVEventBatch, MapBlockStored, MapBlockRemoved, MapAllBlocksCleared)
 
 log = logging.getLogger("slotserve.kv_events")
 
@@ -93,6 +101,7 @@ class KVEventsConfig:
     hash_algo: HashAlgo = "sha256"
     hash_seed: str = "0"
     int_hashes: bool = True
+    encoding: Literal["array", "map"] = "array"  # vLLM's array-like structs, or recent maps
 
 
 def _bind_or_connect(socket: zmq.Socket[bytes], endpoint: str) -> None:
@@ -127,6 +136,7 @@ class KVEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._hasher = BlockHasher(config.hash_algo, config.hash_seed)
         self._encoder = msgspec.msgpack.Encoder()
+        self._structs = ARRAY if config.encoding == "array" else MAP
         self._topic = config.topic.encode()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._pub, self._replay = self._open_sockets()
@@ -197,7 +207,7 @@ class KVEventPublisher:
 
     def _send(self, seq: int, ts: float, events: list[CacheEvent]) -> None:
         try:
-            batch = KVEventBatch(ts, [self._event(e) for e in events], self.rank)
+            batch = self._structs[0](ts, [self._event(e) for e in events], self.rank)
             payload = self._encoder.encode(batch)
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
         except Exception:
@@ -208,18 +218,19 @@ class KVEventPublisher:
         self._buffer.append((seq, payload))
         self.published += 1
 
-    def _event(self, event: CacheEvent) -> BlockStored | BlockRemoved | AllBlocksCleared:
+    def _event(self, event: CacheEvent) -> Any:
         as_int, digest = self.config.int_hashes, self._hasher.digest
+        _, stored, removed, cleared = self._structs
         if event.kind is CacheEventKind.STORED:
             first = event.blocks[0]
             parent = None if first.parent is None else external(digest(first.parent), as_int)
             tokens = [t for block in event.blocks for t in block.tokens]
             hashes = [external(digest(block), as_int) for block in event.blocks]
-            return BlockStored(hashes, parent, tokens, self.config.block_size, None, MEDIUM_GPU,
-                               first.lora)  # fmt: skip
+            return stored(hashes, parent, tokens, self.config.block_size, None, MEDIUM_GPU,
+                          first.lora)  # fmt: skip
         if event.kind is CacheEventKind.REMOVED:
-            return BlockRemoved([external(digest(b), as_int) for b in event.blocks], MEDIUM_GPU)
-        return AllBlocksCleared()
+            return removed([external(digest(b), as_int) for b in event.blocks], MEDIUM_GPU)
+        return cleared()
 
     def _serve_replays(self) -> None:
         assert self._replay is not None
