@@ -20,9 +20,10 @@ from app.config import Settings
 from app.engine.policies import PolicyConfig, PolicyName
 from app.engine.scheduler import Scheduler, SchedulerConfig
 from app.engine.step import ModelOutput
+from app.engine.step_clock import StepClock, StepCosts
 from app.engine.types import RequestStatus, Sequence
 from app.lora import LoRAError
-from app.serving import GenerationParams, Serving
+from app.serving import GenerationParams, Serving, engine_config
 
 ADAPTERS = ("a", "b", "c", "d")
 NEVER = 999
@@ -303,3 +304,13 @@ def test_the_openai_client_names_an_adapter_on_a_real_server(tmp_path: Path) -> 
         assert {chunk.model for chunk in chat} == {"sql"}
         with pytest.raises(NotFoundError):
             client.completions.create(model="nope", prompt="Once ", max_tokens=4)
+
+
+def test_the_step_clock_charges_adapter_loads() -> None:
+    clock = StepClock(StepCosts(step_ms=1.0, lora_load_ms=5.0))
+    assert clock.duration(0, 4, lora_loads=2) == pytest.approx(0.011)
+    assert clock.paced_deadline(10.0, 0, 4, None, lora_loads=1) == pytest.approx(10.006)
+    assert StepCosts(lora_load_ms=5.0).enabled
+    settings = Settings(enable_lora=True, lora_switch_ms=7.0)
+    assert engine_config(settings).step_costs.lora_load_ms == 7.0
+    assert engine_config(Settings(lora_switch_ms=7.0)).step_costs.lora_load_ms == 0.0

@@ -185,7 +185,10 @@ class KVEventPublisher:
         try:
             while True:
                 if self._replay is not None:
-                    self._serve_replays()
+                    try:
+                        self._serve_replays()
+                    except zmq.ZMQError:  # one client's trouble: logged, the thread goes on
+                        log.exception("KV events: a replay request failed")
                 try:
                     item = self._queue.get(timeout=POLL_SECONDS)
                 except queue.Empty:
