@@ -236,14 +236,21 @@ class Serving:
             self.metrics.registry if ranks == 1 else ranked_registry(self.rank_metrics)
         )
         self.rank_events: list[KVEventPublisher | None] = []
-        for rank, metrics in enumerate(self.rank_metrics):
-            publisher = kv_event_publisher(self.settings, rank)
-            self.rank_events.append(publisher)
-            if publisher is not None:
-                metrics.watch_kv_events(publisher)
-        self.kv_events = self.rank_events[0]
-        if not self._real:
-            self._install(model if model is not None else build_model(settings), ByteTokenizer())
+        try:
+            for rank, metrics in enumerate(self.rank_metrics):
+                publisher = kv_event_publisher(self.settings, rank)
+                self.rank_events.append(publisher)
+                if publisher is not None:
+                    metrics.watch_kv_events(publisher)
+            self.kv_events = self.rank_events[0]
+            if not self._real:
+                model = model if model is not None else build_model(settings)
+                self._install(model, ByteTokenizer())
+        except Exception:  # refused at start: no publisher thread is left behind
+            for opened in self.rank_events:
+                if opened is not None:
+                    opened.close()
+            raise
 
     def _install(self, model: Model, tokenizer: Tokenizer) -> None:
         self.model = model

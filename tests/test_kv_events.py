@@ -441,3 +441,23 @@ def test_a_port_in_use_is_refused_at_start(tmp_path: Path) -> None:
     finally:
         taken.close(linger=0)
         ctx.term()
+
+
+def test_a_refused_start_leaves_no_publisher_behind(tmp_path: Path) -> None:
+    """Rank 1's port is taken: rank 0's publisher, already open, is closed again."""
+    ctx = zmq.Context()
+    taken = ctx.socket(zmq.PUB)
+    port = taken.bind_to_random_port("tcp://127.0.0.1", min_port=20000, max_port=30000)
+    try:
+        settings = Settings(enable_prefix_caching=True, data_parallel_size=2,
+                            kv_events_endpoint=f"tcp://*:{port - 1}")  # fmt: skip
+        before = {t.name for t in threading.enumerate()}
+        with pytest.raises(KVEventsError, match=f":{port}"):
+            Serving(settings)
+        assert "slotserve-kv-events" not in {t.name for t in threading.enumerate()} - before
+        rebound = ctx.socket(zmq.PUB)
+        rebound.bind(f"tcp://*:{port - 1}")  # rank 0's port is free again
+        rebound.close(linger=0)
+    finally:
+        taken.close(linger=0)
+        ctx.term()
