@@ -90,3 +90,20 @@ async def test_each_rank_publishes_its_own_kv_events(
         finally:
             for sub in subs:
                 sub.close()
+
+
+async def test_sleep_covers_every_rank(make_client: ClientFactory) -> None:
+    async with make_client(data_parallel_size=3, enable_sleep_mode=True,
+                           mock_step_ms=1.0) as client:  # fmt: skip
+        serving = serving_of(client)
+        streams = [serving.submit(GenerationParams(prompt=[72, 105], max_tokens=5000,
+                                                   ignore_eos=True)) for _ in range(3)]  # fmt: skip
+        assert [len(e.core.live) for e in serving.engines] == [1, 1, 1]
+        assert (await client.post("/sleep")).status_code == 200
+        assert all(s.seq.finish_reason is not None for s in streams)
+        assert all(not e.core.live for e in serving.engines)
+        refused = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                                    headers={RANK: "2"})  # fmt: skip
+        assert refused.status_code == 503
+        assert (await client.post("/wake_up")).status_code == 200
+        assert (await client.get("/health")).json() == {"status": "ok"}
