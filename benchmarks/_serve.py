@@ -30,12 +30,13 @@ def free_port() -> int:
 
 @contextmanager
 def started(command: Sequence[str], port: int, cwd: Path = ROOT,
-            env: dict[str, str] | None = None) -> Iterator[str]:  # fmt: skip
-    """Run ``command`` (a server on ``port``), wait for /health, yield its URL, stop it."""
+            env: dict[str, str] | None = None, timeout: float = 30) -> Iterator[str]:  # fmt: skip
+    """Run ``command`` (a server on ``port``), wait up to ``timeout`` s for /health, yield
+    its URL, stop it."""
     process = subprocess.Popen(list(command), cwd=cwd, env={**ENV, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + timeout
         while True:
             if process.poll() is not None:
                 raise SystemExit(f"server exited with {process.returncode}: {command}")
@@ -44,7 +45,7 @@ def started(command: Sequence[str], port: int, cwd: Path = ROOT,
                     break
             except httpx.TransportError:
                 if time.monotonic() > deadline:
-                    raise SystemExit(f"server not healthy after 30 s: {command}") from None
+                    raise SystemExit(f"not healthy after {timeout} s: {command}") from None
             time.sleep(0.1)  # another process is binding: nothing to await
         yield url
     finally:

@@ -64,6 +64,7 @@ def test_health_says_loading_until_the_model_is_ready_then_it_serves(tiny: Path)
     # 512 bytes of KV cache per token (2 layers x K and V x 2 heads x 16 x 4 bytes): 96 KiB
     # hold 192 tokens, 64 positions for each of 3 slots.
     flags = ["--model", f"hf:{tiny}", "--num-slots", "3", "--kv-cache-memory", "96KiB"]
+    flags += ["--dtype", "float32"]  # auto would pick bfloat16 on a CPU with native bf16
     with loading_server(*flags) as (server, seen):
         assert seen == ["loading", "ok"]
         models = httpx.get(server.url + "/v1/models").json()["data"]

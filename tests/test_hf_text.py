@@ -33,6 +33,7 @@ def load(
 ) -> LoadedModel:
     return load_model(
         f"hf:{path}",
+        dtype="float32",  # the KV budgets below count 4-byte entries
         num_slots=num_slots,
         max_model_len=max_model_len,
         kv_cache_memory=kv_cache_memory,

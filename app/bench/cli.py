@@ -94,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="let the model stop early (default: ignore_eos, exact output lengths)",
     )
+    add(
+        "--temperature",
+        type=float,
+        default=None,
+        help="temperature sent with every request (unset: the server's default)",
+    )
     add("--slo", default="", help="goodput SLOs in ms, e.g. ttft_ms=500,tpot_ms=50")
     add(
         "--api-key",
@@ -181,6 +187,7 @@ def _setup(
         concurrency=args.concurrency,
         workers=args.workers,
         ignore_eos=not args.respect_eos,
+        temperature=args.temperature,
         timeout_s=args.timeout,
         monitor=monitor.get(args.monitor, args.monitor),  # type: ignore[arg-type]
         monitor_interval_s=args.monitor_interval,

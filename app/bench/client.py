@@ -67,16 +67,19 @@ class NativeTarget:
 
     path = "/generate"
 
-    def __init__(self, ignore_eos: bool = True) -> None:
-        self.ignore_eos = ignore_eos
+    def __init__(self, ignore_eos: bool = True, temperature: float | None = None) -> None:
+        self.ignore_eos, self.temperature = ignore_eos, temperature
 
     def body(self, spec: RequestSpec) -> dict[str, Any]:
-        return {
+        body: dict[str, Any] = {
             "prompt": list(spec.prompt),
             "max_tokens": spec.max_tokens,
             "ignore_eos": self.ignore_eos,
             "stream": True,
         }
+        if self.temperature is not None:
+            body["temperature"] = self.temperature
+        return body
 
     def parse(self, name: str, data: bytes) -> Parsed:
         if name == "token":
@@ -95,8 +98,10 @@ class OpenAITarget:
 
     path = "/v1/completions"
 
-    def __init__(self, model: str | None = None, ignore_eos: bool = True) -> None:
-        self.model, self.ignore_eos = model, ignore_eos
+    def __init__(
+        self, model: str | None = None, ignore_eos: bool = True, temperature: float | None = None
+    ) -> None:
+        self.model, self.ignore_eos, self.temperature = model, ignore_eos, temperature
 
     def body(self, spec: RequestSpec) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -108,6 +113,8 @@ class OpenAITarget:
         }
         if self.model:
             body["model"] = self.model
+        if self.temperature is not None:
+            body["temperature"] = self.temperature
         return body
 
     def parse(self, name: str, data: bytes) -> Parsed:

@@ -48,6 +48,7 @@ class RunConfig:
     concurrency: int | None = None
     workers: int = 1
     ignore_eos: bool = True
+    temperature: float | None = None  # sent with every request when set
     timeout_s: float = 300.0
     monitor: Source | None = "slots"
     monitor_interval_s: float = 0.25
@@ -87,8 +88,8 @@ Progress = Callable[[RequestResult], None]
 
 def make_target(config: RunConfig) -> Target:
     if config.api == "openai":
-        return OpenAITarget(config.model, config.ignore_eos)
-    return NativeTarget(config.ignore_eos)
+        return OpenAITarget(config.model, config.ignore_eos, config.temperature)
+    return NativeTarget(config.ignore_eos, config.temperature)
 
 
 def make_client(config: RunConfig, connections: int) -> httpx.AsyncClient:

@@ -4,7 +4,8 @@ float32, optional q/k/v (and output) biases, tied or separate output embeddings.
 
 The checkpoint's tensors are taken as they are stored (Hugging Face names); q/k/v and gate/up
 projections are fused into one matrix each so a layer runs three matrix products for its MLP and
-attention inputs instead of five.
+attention inputs instead of five; each is a ``Linear`` (oneDNN's prepacked weight in bfloat16
+on CPU).
 """
 
 from __future__ import annotations
@@ -18,19 +19,18 @@ from app.models.hf.attention import StepLayout, attend
 from app.models.hf.config import ArchConfig
 from app.models.hf.errors import ModelLoadError
 from app.models.hf.kv_cache import KVCache
+from app.models.hf.linear import Linear
 from app.models.hf.rope import Rope
 
 
 @dataclass(frozen=True)
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    out: torch.Tensor
-    out_bias: torch.Tensor | None
+    qkv: Linear
+    out: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Linear
+    down: Linear
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Weights:
     embed: torch.Tensor
     layers: list[LayerWeights]
     norm: torch.Tensor
-    lm_head: torch.Tensor
+    lm_head: Linear
 
 
 def build_weights(
@@ -67,20 +67,19 @@ def build_weights(
         layers.append(
             LayerWeights(
                 input_norm=take(f"{p}input_layernorm.weight"),
-                qkv=torch.cat((q, k, v)),
-                qkv_bias=qkv_bias,
-                out=take(f"{p}self_attn.o_proj.weight"),
-                out_bias=maybe(f"{p}self_attn.o_proj.bias"),
+                qkv=Linear(torch.cat((q, k, v)), qkv_bias),
+                out=Linear(take(f"{p}self_attn.o_proj.weight"), maybe(f"{p}self_attn.o_proj.bias")),
                 post_norm=take(f"{p}post_attention_layernorm.weight"),
-                gate_up=torch.cat((gate, up)),
-                down=take(f"{p}mlp.down_proj.weight"),
+                gate_up=Linear(torch.cat((gate, up))),
+                down=Linear(take(f"{p}mlp.down_proj.weight")),
             )
         )
     embed = take("model.embed_tokens.weight")
     head = maybe("lm_head.weight")
     if head is None and not arch.tie_word_embeddings:
         raise ModelLoadError("checkpoint has no tensor 'lm_head.weight'")
-    return Weights(embed, layers, take("model.norm.weight"), embed if head is None else head)
+    norm = take("model.norm.weight")
+    return Weights(embed, layers, norm, Linear(embed if head is None else head))
 
 
 def _or_zeros(bias: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
@@ -115,7 +114,7 @@ class LlamaForward:
         for index, layer in enumerate(w.layers):
             hidden = self._block(index, layer, hidden, layout, cos, sin)
         last = rms_norm(hidden[logit_rows], w.norm, self.arch.rms_norm_eps)
-        return F.linear(last, w.lm_head).float()
+        return w.lm_head(last).float()
 
     def _block(
         self,
@@ -128,13 +127,13 @@ class LlamaForward:
     ) -> torch.Tensor:
         arch = self.arch
         x = rms_norm(hidden, layer.input_norm, arch.rms_norm_eps)
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = layer.qkv(x)
         q, k, v = torch.split(qkv, [self._q, self._kv, self._kv], dim=-1)
         q = Rope.apply(q.view(-1, arch.num_heads, arch.head_dim), cos, sin)
         k = Rope.apply(k.view(-1, arch.num_kv_heads, arch.head_dim), cos, sin)
         self.cache.write(index, layout.slots, layout.positions, k, v.view_as(k))
         attended = attend(self.cache, index, q, layout)
-        hidden = hidden + F.linear(attended, layer.out, layer.out_bias)
+        hidden = hidden + layer.out(attended)
         x = rms_norm(hidden, layer.post_norm, arch.rms_norm_eps)
-        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, layer.down)
+        gate, up = layer.gate_up(x).chunk(2, dim=-1)
+        return hidden + layer.down(F.silu(gate) * up)

