@@ -125,6 +125,58 @@ def test_an_adapter_load_is_counted_once_while_it_holds_an_adapter_slot() -> Non
     assert loads == [1, 1, 0, 1, 0, 1]
 
 
+def _priority_scheduler(slots: int) -> Scheduler:
+    return Scheduler(SchedulerConfig(slots, max_loras=1,
+                                     scheduling=PolicyConfig(PolicyName.PRIORITY)))  # fmt: skip
+
+
+def _run_until_done(scheduler: Scheduler, now: float = 1.0) -> None:
+    for _ in range(200):
+        if not scheduler.has_work():
+            return
+        out = scheduler.schedule(now)
+        if not out.empty:
+            scheduler.update(out, ModelOutput([7] * out.num_outputs), now)
+    raise AssertionError("the scheduler did not finish")
+
+
+@pytest.mark.parametrize("policy", ["priority", "mlfq"])
+def test_a_policy_does_not_preempt_for_an_adapter_that_cannot_join(policy: str) -> None:
+    """Review finding 3: --max-loras 1, two adapter-A requests hold both slots, a better
+    adapter-B request arrives: preempting an A request would free a slot B still cannot take
+    (A keeps running), so nothing is preempted and B runs once A has drained."""
+    scheduler = Scheduler(SchedulerConfig(2, max_loras=1, scheduling=PolicyConfig(
+        PolicyName(policy), mlfq_quantum=1)))  # fmt: skip
+    running = [Sequence(f"a{i}", [5] * 4, 30, frozenset({NEVER}), lora="A", priority=5)
+               for i in range(2)]  # fmt: skip
+    for seq in running:
+        scheduler.add(seq, 0.0)
+    out = scheduler.schedule(0.0)
+    scheduler.update(out, ModelOutput([7] * out.num_outputs), 0.0)
+    late = Sequence("b", [5] * 40, 2, frozenset({NEVER}), lora="B", priority=0)
+    scheduler.add(late, 0.0)
+    _run_until_done(scheduler)
+    assert [s.num_preemptions for s in running] == [0, 0]
+    assert late.status is RequestStatus.FINISHED
+
+
+def test_the_lora_fallback_admits_in_the_policys_order() -> None:
+    """Review finding 4: the policy's pick (adapter B) cannot join a batch running A; among the
+    A requests that can, the better priority is admitted first, not the earlier arrival."""
+    scheduler = _priority_scheduler(2)
+    first = Sequence("a0", [5] * 4, 50, frozenset({NEVER}), lora="A", priority=0)
+    scheduler.add(first, 0.0)
+    out = scheduler.schedule(0.0)
+    scheduler.update(out, ModelOutput([7] * out.num_outputs), 0.0)
+    late = [Sequence("b", [5] * 4, 2, frozenset({NEVER}), lora="B", priority=0),
+            Sequence("a1-prio10", [5] * 4, 2, frozenset({NEVER}), lora="A", priority=10),
+            Sequence("a2-prio1", [5] * 4, 2, frozenset({NEVER}), lora="A", priority=1)]  # fmt: skip
+    for seq in late:
+        scheduler.add(seq, 0.0)
+    out = scheduler.schedule(1.0)
+    assert [s.request_id for s in out.admitted] == ["a2-prio1"]
+
+
 # --- the registry, against a plain reference --------------------------------------------------
 
 

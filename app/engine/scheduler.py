@@ -362,7 +362,7 @@ class Scheduler:
         while (budget > 0 or static) and self.waiting and self.slots.num_free:
             seq = self.waiting.peek() if policy is None else policy.select(self.waiting, now)
             if loras is not None and not self._lora_fits(seq, loras):
-                found = next((s for s in self.waiting if self._lora_fits(s, loras)), None)
+                found = self._first_fitting(policy, loras, now)
                 if found is None:
                     break  # every waiting request needs another adapter: they wait
                 seq = found
@@ -400,7 +400,17 @@ class Scheduler:
             budget -= self._chunk(out, seq, budget)
         return budget
 
+    def _first_fitting(self, policy: Policy | None, loras: set[str], now: float) -> Sequence | None:
+        """The request to admit among those whose adapter may join a batch running ``loras``:
+        the earliest under fcfs, the policy's pick among them otherwise; None if none fits."""
+        fitting = (s for s in self.waiting if self._lora_fits(s, loras))
+        if policy is None:
+            return next(fitting, None)
+        candidates = list(fitting)
+        return policy.select(candidates, now) if candidates else None
+
     def _running_loras(self) -> set[str]:
+        """The adapters of the running requests."""
         return {seq.lora for seq in self.slots.running() if seq.lora is not None}
 
     def _lora_fits(self, seq: Sequence, loras: set[str]) -> bool:
