@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from sse_starlette.sse import AppStatus
 
-from app.api import admin, native, openai_compat, tokenize
+from app.api import admin, lora, native, openai_compat, sleep, tokenize
 from app.api.adapters import anthropic, responses
 from app.api.adapters.anthropic_errors import AnthropicErrors
 from app.api.adapters.responses_store import ResponseStore
@@ -59,6 +59,10 @@ def create_app(settings: Settings | None = None, model: Model | None = None) -> 
     app.include_router(tokenize.router)
     app.include_router(anthropic.router)
     app.include_router(responses.router)
+    if settings.enable_sleep_mode:
+        app.include_router(sleep.router)
+    if settings.enable_lora:
+        app.include_router(lora.router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     if serving.api_keys.enabled:  # outermost: before the body is read or parsed
         app.add_middleware(ApiKeyAuth, keys=serving.api_keys)

@@ -26,6 +26,7 @@ from app.serving import (
     InvalidRequestError,
     ModelLoadFailedError,
     ModelLoadingError,
+    NotReadyError,
     context_length_error,
 )
 
@@ -193,6 +194,8 @@ def refusal(err: EngineError) -> APIError:
         return APIError(503, str(err), "service_unavailable", code="load_failed")
     if isinstance(err, ModelLoadingError):
         return APIError(503, str(err), "service_unavailable", code="loading", headers=retry)
+    if isinstance(err, NotReadyError):  # asleep, or within --startup-delay
+        return APIError(503, str(err), "service_unavailable", code=err.code, headers=retry)
     code = "draining" if isinstance(err, EngineDrainingError) else "engine_dead"
     return APIError(503, str(err), "service_unavailable", code=code, headers=retry)
 

@@ -62,6 +62,22 @@ class InjectedFailure(RuntimeError):
     """The failed model call an injected ``server_error`` or stream break reports."""
 
 
+RANK_HEADER = "x-data-parallel-rank"
+
+
+def data_parallel_rank(request: Request, ranks: int) -> int | None:
+    """The rank the ``x-data-parallel-rank`` header names (None: absent, the least loaded
+    rank serves); 400 unless it is an integer in [0, --data-parallel-size)."""
+    value = request.headers.get(RANK_HEADER)
+    if value is None:
+        return None
+    rank = int(value) if value.strip().isdigit() else -1
+    if not 0 <= rank < ranks:
+        raise APIError(400, f"{RANK_HEADER} must be an integer in [0, {ranks}), got {value!r}",
+                       param=RANK_HEADER, code="invalid_data_parallel_rank")  # fmt: skip
+    return rank
+
+
 class FaultInjector:
     """Decides, request by request, which failure to inject (see the module's contract)."""
 
@@ -95,11 +111,12 @@ class FaultInjector:
         """``serving.submit(params)``, unless a failure is injected (see the module's contract).
         ``model`` is the model the request named, if any (for ``model_not_found``)."""
         forced, after = self._headers(request.scope["headers"])
+        rank = data_parallel_rank(request, serving.settings.data_parallel_size)
         seq = serving.prepare(params, id_prefix)
         failure = forced or self.draw_failure()
         if failure is not None:
             return self._inject(failure, seq, serving.settings, model)
-        stream = serving.enqueue(seq)
+        stream = serving.enqueue(seq, rank)
         if after is None:
             after = self._draw_break(seq) if streaming else None
         if after is None:

@@ -43,7 +43,12 @@ async def list_models(serving: ServingDep) -> dict[str, Any]:
         "max_model_len": serving.settings.max_model_len,
         "profile": serving.settings.profile,  # the GPU the step clock imitates (null: none)
     }
-    return {"object": "list", "data": [model]}
+    adapters = [
+        {"id": a.name, "object": "model", "created": int(serving.started_at),
+         "owned_by": "slotserve", "root": a.path, "parent": a.parent}
+        for a in serving.loras.adapters.values()
+    ]  # fmt: skip
+    return {"object": "list", "data": [model, *adapters]}
 
 
 @router.post("/completions", responses=ERROR_RESPONSES)
@@ -53,7 +58,7 @@ async def completions(
     ids = completion_prompt_ids(body, serving)
     max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
     run = _start(request, serving, body, ids, max_tokens, "cmpl", key_name)
-    shape = CompletionShape(run.id, serving.settings.model_name, run, bool(body.echo))
+    shape = CompletionShape(run.id, body.model or serving.settings.model_name, run, bool(body.echo))
     response = await _respond(run, body, request, serving, shape)
     return flag_ignored_priority(response, serving, body.priority)
 
@@ -73,7 +78,7 @@ async def chat_completions(
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs",
                        code="invalid_value")  # fmt: skip
     run = _start(request, serving, body, ids, max_tokens, "chatcmpl", key_name, constraint)
-    name = serving.settings.model_name
+    name = body.model or serving.settings.model_name
     shape = ChatShape(run.id, name, run) if plan is None else ToolChatShape(run.id, name, run, plan)
     response = await _respond(run, body, request, serving, shape)
     return flag_ignored_priority(response, serving, body.priority)
@@ -150,8 +155,10 @@ def _start(
     key_name: str | None,
     constraint: tuple[Constraint | None, str] | None = None,
 ) -> Run:
-    if body.model is not None and body.model != serving.settings.model_name:
-        raise model_not_found(body.model, serving.settings.model_name)
+    try:
+        lora = serving.adapter(body.model)  # the base model, a LoRA adapter, or 404
+    except LookupError:
+        raise model_not_found(str(body.model), serving.settings.model_name) from None
     unsupported = body.unsupported()
     if unsupported is not None:
         raise APIError(400, f"{unsupported} is not supported by this server (the mock has no "
@@ -166,7 +173,7 @@ def _start(
         stop_strings=stops, ignore_eos=body.ignore_eos, priority=body.priority,
         sampling=body.sampling(), bad_words=body.bad_words or [],
         user=key_name if key_name is not None else body.user, key_name=key_name,
-        constraint=grammar, constraint_param=grammar_param,
+        constraint=grammar, constraint_param=grammar_param, lora=lora,
     )  # fmt: skip
     n = _choices(body, serving)
     stream = faults.submit(

@@ -77,6 +77,11 @@ class SchedulerConfig:
     max_model_len: int | None = None
     scheduling: PolicyConfig = FCFS
     enable_prefix_caching: bool = False
+    record_kv_events: bool = False  # the prefix cache logs its changes (KV events)
+    # LoRA: at most this many distinct adapters among the running requests (None: no rule).
+    # A waiting request whose adapter would exceed it waits; requests behind it that fit go
+    # first (vLLM's rule).
+    max_loras: int | None = None
 
     @property
     def kv_binds(self) -> bool:
@@ -110,7 +115,11 @@ class Scheduler:
         self.config = config
         self.slots = SlotTable(config.num_slots)
         self.waiting = WaitingQueue()
-        self.prefix_cache = PrefixCache(config.block_size) if config.enable_prefix_caching else None
+        self.prefix_cache = (
+            PrefixCache(config.block_size, config.record_kv_events)
+            if config.enable_prefix_caching
+            else None
+        )
         self.books = KVBooks(
             config.kv_cache_tokens or UNBOUNDED, config.block_size, self.prefix_cache
         )
@@ -124,6 +133,10 @@ class Scheduler:
         self._free_blocks = UNBOUNDED  # while planning a step: blocks not yet handed out
         self._admissions = 0
         self._unstarted: set[str] = set()  # admitted, no chunk scheduled on the fresh slot yet
+        # LoRA adapters in the batch's adapter slots (``max_loras`` of them), least recently
+        # admitted first: admitting a request whose adapter is not there loads it (counted in
+        # ``SchedulerOutput.lora_loads``, charged by the step clock)
+        self._lora_slots: dict[str, None] = {}
         self.scheduling: Policy | None = make_policy(config.scheduling)
 
     @property
@@ -299,6 +312,10 @@ class Scheduler:
         candidate = policy.select(self.waiting, now)
         if now - candidate.queued_at < policy.config.preemption_delay:
             return  # it may still get a slot that frees on its own
+        if self.config.max_loras is not None and not self._lora_fits(
+            candidate, self._running_loras()
+        ):
+            return  # its adapter could not join the batch: a freed slot would go to another
         victim = policy.victim(candidate, self.slots.running(), now)
         # a victim one overtake from the bound would be served first again at once: a
         # preempt-and-readmit loop that would also leave the candidate waiting
@@ -344,16 +361,26 @@ class Scheduler:
             return budget
         # Static batching fills every slot at once (later steps prefill what the budget left).
         policy = self.scheduling
+        loras = self._running_loras() if self.config.max_loras is not None else None
         while (budget > 0 or static) and self.waiting and self.slots.num_free:
             seq = self.waiting.peek() if policy is None else policy.select(self.waiting, now)
+            if loras is not None and not self._lora_fits(seq, loras):
+                found = self._first_fitting(policy, loras, now)
+                if found is None:
+                    break  # every waiting request needs another adapter: they wait
+                seq = found
             hits = self._cached_prefix(seq)
             cost = sum(1 for block in hits if block.refs == 0)  # they leave the free blocks
             if not self.books.room(0, self._free_blocks - cost):
                 break  # the cache is full: it waits (first come, first served)
-            if policy is None:
+            if policy is None and loras is not None:
+                self.waiting.remove(seq.request_id)  # not necessarily the head
+            elif policy is None:
                 self.waiting.pop()
             else:
                 self._take(policy, seq, now)
+            if loras is not None and seq.lora is not None:
+                self._load_lora(out, seq.lora, loras)
             self.slots.allocate(seq)
             seq.status = RequestStatus.RUNNING
             seq.prefilled, seq.prefill_target = 0, len(seq.tokens)
@@ -375,6 +402,39 @@ class Scheduler:
             self._unstarted.add(seq.request_id)
             budget -= self._chunk(out, seq, budget)
         return budget
+
+    def _first_fitting(self, policy: Policy | None, loras: set[str], now: float) -> Sequence | None:
+        """The request to admit among those whose adapter may join a batch running ``loras``:
+        the earliest under fcfs, the policy's pick among them otherwise; None if none fits."""
+        fitting = (s for s in self.waiting if self._lora_fits(s, loras))
+        if policy is None:
+            return next(fitting, None)
+        candidates = list(fitting)
+        return policy.select(candidates, now) if candidates else None
+
+    def _running_loras(self) -> set[str]:
+        """The adapters of the running requests."""
+        return {seq.lora for seq in self.slots.running() if seq.lora is not None}
+
+    def _lora_fits(self, seq: Sequence, loras: set[str]) -> bool:
+        """Whether ``seq`` may join a batch running adapters ``loras``."""
+        assert self.config.max_loras is not None
+        return seq.lora is None or seq.lora in loras or len(loras) < self.config.max_loras
+
+    def _load_lora(self, out: SchedulerOutput, lora: str, loras: set[str]) -> None:
+        """``lora`` joins the batch; if it is not in an adapter slot, it is loaded there (in
+        place of the least recently admitted adapter no running request uses)."""
+        assert self.config.max_loras is not None
+        loras.add(lora)
+        slots = self._lora_slots
+        if lora in slots:
+            del slots[lora]  # most recently admitted: last
+        else:
+            out.lora_loads += 1
+            if len(slots) >= self.config.max_loras:
+                idle = next(name for name in slots if name not in loras)
+                del slots[idle]
+        slots[lora] = None
 
     def _take(self, policy: Policy, seq: Sequence, now: float) -> None:
         """Take ``seq`` out of the queue for admission: every request ahead of it in the queue

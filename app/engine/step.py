@@ -33,6 +33,8 @@ class SchedulerOutput:
       (requests fed their last generated token) drive the step clock and the metrics.
     - ``prefix_queries`` / ``prefix_hits``: tokens of the requests admitted or resumed in this
       step looked up in the prefix cache, and those found there (not prefilled).
+    - ``lora_loads``: LoRA adapters this step loads into an adapter slot (the step clock may
+      charge them).
     """
 
     decode_seqs: list[Sequence]
@@ -45,6 +47,7 @@ class SchedulerOutput:
     num_prefill_tokens: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    lora_loads: int = 0  # LoRA adapters loaded into the batch's adapter slots in this step
     started_at: float = 0.0
     _decode_tokens: list[int] | None = None
 

@@ -118,6 +118,7 @@ class Sequence:
     stop: StopCondition | None = None
     constraint: TokenConstraint | None = None  # its output grammar (None: unconstrained)
     user: str | None = None
+    lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
     prompt_len: int = 0
     token_limit: int = 0  # len(tokens) at which max_tokens is reached
     status: RequestStatus = RequestStatus.WAITING
