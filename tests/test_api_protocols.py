@@ -493,3 +493,17 @@ async def test_output_text_logprobs_when_included(make_client: ClientFactory) ->
         assert streamed == part["logprobs"] == events[-4].data["logprobs"]
         plain = await client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2})
         assert plain.json()["output"][0]["content"][0]["logprobs"] == []
+
+
+async def test_a_mock_that_calls_tools_under_auto_still_follows_a_text_format(
+    make_client: ClientFactory,
+) -> None:
+    fmt = {"type": "json_schema", "name": "person", "schema": PERSON}
+    body = {"input": "A person", "max_output_tokens": 300, "text": {"format": fmt},
+            "tools": RESPONSES_TOOLS}  # fmt: skip
+    async with make_client(mock_tool_call_probability=1.0) as client:
+        r = await client.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text  # not a 400 for a choice the client did not force
+        assert set(json.loads(r.json()["output"][0]["content"][0]["text"])) == {"name", "age"}
+        called = (await client.post("/v1/responses", json=body | {"text": None})).json()
+        assert [item["type"] for item in called["output"]] == ["function_call"]

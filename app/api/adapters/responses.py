@@ -162,7 +162,8 @@ def tool_plan(body: ResponsesRequest, serving: Serving) -> ToolPlan | None:
         choice = ToolChoice(ToolMode(field))
     if choice.mode is ToolMode.NONE:
         return None
-    if choice.mode is ToolMode.AUTO and serving.mock_calls_tool():
+    # a mock decides whether to call under auto, unless the text has a format to follow
+    if choice.mode is ToolMode.AUTO and text_constraint(body) is None and serving.mock_calls_tool():
         choice = ToolChoice(ToolMode.REQUIRED)
     return ToolPlan(specs, choice, body.parallel_tool_calls is not False)
 
