@@ -117,6 +117,11 @@ class Settings(BaseSettings):
         "CPU with AVX-512 BF16 or AMX or a CUDA device with bfloat16, else float32)",
     )
     device: str = Field("cpu", description="real model: torch device (cpu, cuda, cuda:1, ...)")
+    quantization: Literal["none", "int8", "int4"] = Field(
+        "none",
+        description="real model, CPU: weight-only int8 (per row) or int4 (groups of 32, like "
+        "Q4_1) matrices; activations and KV cache stay in --dtype",
+    )
     kv_cache_memory: ByteSize = Field(
         ByteSize(2 << 30),
         gt=0,
