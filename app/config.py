@@ -184,6 +184,12 @@ class Settings(BaseSettings):
     allow_fault_headers: bool = Field(
         False, description="honour x-slotserve-fail and x-slotserve-fail-after (tests only)"
     )
+    responses_store_size: int = Field(
+        1000, ge=0, description="/v1/responses: responses kept in memory (0: none)"
+    )
+    responses_store_seconds: float = Field(
+        3600.0, gt=0, description="/v1/responses: seconds a finished response is kept"
+    )
 
     @field_validator("failure_types")
     @classmethod
