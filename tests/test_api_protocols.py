@@ -476,3 +476,20 @@ async def test_tool_bad_input_is_a_400_naming_the_field(make_client: ClientFacto
             r = await client.post("/v1/responses", json={"input": "hi"} | extra)
             assert r.status_code == 400, (extra, r.text)
             assert r.json()["error"]["param"] == param, (extra, r.json())
+
+
+async def test_output_text_logprobs_when_included(make_client: ClientFactory) -> None:
+    body = {"input": "hi", "max_output_tokens": 8, "top_logprobs": 2,
+            "include": ["message.output_text.logprobs"]}  # fmt: skip
+    async with make_client() as client:
+        whole = (await client.post("/v1/responses", json=body)).json()
+        part = whole["output"][0]["content"][0]
+        assert len(part["logprobs"]) == whole["usage"]["output_tokens"] == 8
+        assert "".join(entry["token"] for entry in part["logprobs"]) == part["text"]
+        assert all(len(entry["top_logprobs"]) == 2 for entry in part["logprobs"])
+        events = response_events(await client.post("/v1/responses", json=body | {"stream": True}))
+        streamed = [x for e in events if e.event == "response.output_text.delta"
+                    for x in e.data["logprobs"]]  # fmt: skip
+        assert streamed == part["logprobs"] == events[-4].data["logprobs"]
+        plain = await client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2})
+        assert plain.json()["output"][0]["content"][0]["logprobs"] == []

@@ -65,6 +65,14 @@ def test_openai_responses_create_stream_retrieve_and_chain(server: ServerProcess
         model=MODEL, input="And then?", previous_response_id=created.id, max_output_tokens=5
     )
     assert chained.usage is not None and created.usage.input_tokens < chained.usage.input_tokens
+    scored = client.responses.create(
+        model=MODEL, input="Hello", max_output_tokens=5, top_logprobs=1,
+        include=["message.output_text.logprobs"],
+    )  # fmt: skip
+    message = scored.output[0]
+    assert message.type == "message"
+    (part,) = message.content
+    assert part.type == "output_text" and len(part.logprobs or []) == 5
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve("resp-unknown")
     with pytest.raises(openai.BadRequestError) as bad:

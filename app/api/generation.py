@@ -36,7 +36,7 @@ from app.api.tools import ToolPlan
 from app.engine.stop_strings import StopStringMatcher
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason
-from app.models.protocol import DEFAULT_SAMPLING, SamplingParams
+from app.models.protocol import DEFAULT_SAMPLING, Logprobs, SamplingParams
 from app.serving import GenerationParams, Serving
 from app.structured.constraint import Constraint
 from app.structured.tools import ToolCall
@@ -88,6 +88,9 @@ class Run:
     matcher: StopStringMatcher = field(init=False)
     raw: list[str] = field(default_factory=list)  # decoded text before stop strings are cut
     emitted: int = 0  # characters shown so far
+    # with log probabilities asked for: the generated tokens so far and their entries
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[Logprobs | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.matcher = StopStringMatcher(self.stops)
@@ -139,6 +142,9 @@ async def texts(run: Run, serving: Serving) -> AsyncIterator[tuple[str, str | No
     decoder = serving.tokenizer.stream_decoder()
     keep_raw = bool(run.stops)
     async for delta in run.stream:
+        if delta.logprobs is not None:
+            run.tokens += delta.tokens
+            run.logprobs += delta.logprobs
         decoded = decoder.feed(delta.tokens)
         if keep_raw:
             run.raw.append(decoded)

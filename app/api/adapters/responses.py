@@ -18,6 +18,7 @@ early by the server), ``failed``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -36,6 +37,7 @@ from app.api.adapters.responses_schemas import (
 from app.api.adapters.responses_store import ResponseStore, Stored
 from app.api.deps import KeyNameDep, ServingDep
 from app.api.errors import APIError
+from app.api.logprobs import TokenText, chat_content
 from app.api.native import ERROR_RESPONSES
 from app.api.schemas import ChatMessage
 from app.api.streaming import sse_event
@@ -45,6 +47,7 @@ from app.structured.constraint import Constraint
 from app.structured.tools import ToolCall, ToolChoice, ToolMode, ToolSpec
 
 router = APIRouter(prefix="/v1", tags=["openai"])
+log = logging.getLogger("slotserve.api")
 
 
 def response_store(request: Request) -> ResponseStore:
@@ -71,7 +74,7 @@ async def create(
         constraint=constraint, constraint_param=param, tools=plan,
     )  # fmt: skip
     run = generation.start(request, serving, internal, key_name)
-    shape = ResponseShape(run, body, serving.settings.model_name)
+    shape = ResponseShape(run, body, serving)
     entry = Stored(run.id, shape.object("queued"), messages, calls, bool(body.background))
     response: Response
     if body.background:
@@ -283,14 +286,21 @@ async def _background(
     run: generation.Run, serving: Serving, shape: ResponseShape, entry: Stored,
     store: ResponseStore,
 ) -> None:  # fmt: skip
-    """Generate a background response, detached from its connection, into its entry."""
+    """Generate a background response, detached from its connection, into its entry. It
+    always ends: a failed model call (or a bug here, logged) leaves it ``failed``, and an
+    unfinished request is aborted."""
     entry.response = shape.object("in_progress")
     try:
         outcome = await generation.collect(run, serving)
-    except generation.ModelFailed as err:
+    except Exception as err:
+        if not isinstance(err, generation.ModelFailed):
+            log.exception("background response %s failed", run.id)
         entry.response = shape.failed(str(err))
         store.finished(entry)
         return
+    finally:
+        if run.stream.seq.finish_reason is None:  # cancelled from outside (shutdown)
+            serving.abort(run.id)
     cancelled = entry.cancelled and outcome.finish_reason == "abort"
     final = shape.finished(outcome, "cancelled" if cancelled else None)
     _keeper(store, entry)(final, outcome)
@@ -299,8 +309,10 @@ async def _background(
 class ResponseShape:
     """The ``response`` object of one request, at any status."""
 
-    def __init__(self, run: generation.Run, body: ResponsesRequest, model: str) -> None:
-        self.run, self.body, self.model = run, body, model
+    def __init__(self, run: generation.Run, body: ResponsesRequest, serving: Serving) -> None:
+        self.run, self.body, self.model = run, body, serving.settings.model_name
+        self.top = body.logprobs_asked()  # None: no log probabilities
+        self.token_text = TokenText(serving.tokenizer)
         self.id = run.id
         self.message_id = f"msg-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -326,13 +338,20 @@ class ResponseShape:
         } | extra  # fmt: skip
 
     def message(self, text: str | None, status: str) -> dict[str, Any]:
-        content = [] if text is None else [self.part(text)]
+        content = [] if text is None else [self.part(text, self.logprobs())]
         return {"type": "message", "id": self.message_id, "status": status,
                 "role": "assistant", "content": content}  # fmt: skip
 
-    @staticmethod
-    def part(text: str) -> dict[str, Any]:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    def part(self, text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+    def logprobs(self, start: int = 0) -> list[dict[str, Any]]:
+        """The output tokens' log probabilities from token ``start`` on (chat's shape: token,
+        logprob, bytes, top_logprobs); [] when not asked for."""
+        if self.top is None:
+            return []
+        run = self.run
+        return chat_content(run.tokens[start:], run.logprobs[start:], self.token_text, self.top)
 
     @staticmethod
     def call(call: ToolCall, arguments: str | None, status: str) -> dict[str, Any]:
@@ -379,6 +398,7 @@ class ResponseEvents:
         self.sequence = 0
         self.index = 0  # the open (or next) output item's index
         self.said: list[str] | None = None  # the open message's text
+        self.shown = 0  # output tokens whose log probabilities were sent
         self.calling: tuple[ToolCall, list[str]] | None = None  # the open call, its arguments
 
     def _event(self, kind: str, /, **data: Any) -> bytes:
@@ -408,8 +428,11 @@ class ResponseEvents:
         shape = self.shape
         if self.said is not None:
             text, self.said = "".join(self.said), None
-            yield self._event("response.output_text.done", **self._at(), text=text, logprobs=[])
-            yield self._event("response.content_part.done", **self._at(), part=shape.part(text))
+            logprobs = shape.logprobs()
+            yield self._event("response.output_text.done", **self._at(), text=text,
+                              logprobs=logprobs)  # fmt: skip
+            yield self._event("response.content_part.done", **self._at(),
+                              part=shape.part(text, logprobs))  # fmt: skip
             yield self._event("response.output_item.done", output_index=self.index,
                               item=shape.message(text, status))  # fmt: skip
             self.index += 1
@@ -428,7 +451,9 @@ class ResponseEvents:
             yield from self._open_message()
         assert self.said is not None
         self.said.append(delta)
-        yield self._event("response.output_text.delta", **self._at(), delta=delta, logprobs=[])
+        logprobs, self.shown = self.shape.logprobs(self.shown), len(self.shape.run.tokens)
+        yield self._event("response.output_text.delta", **self._at(), delta=delta,
+                          logprobs=logprobs)  # fmt: skip
 
     def call_start(self, index: int, call: ToolCall) -> Iterable[bytes]:
         yield from self._close("completed")

@@ -3,12 +3,16 @@ clients work; unknown input item or content part types are refused (400 naming t
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictStr, Tag
 
-from app.api.schemas import MaxTokens, Priority, SamplingFields, Text, UserName
+from app.api.schemas import MaxTokens, Priority, SamplingFields, Text, TopLogprobs, UserName
 from app.api.tools import FunctionName
+from app.models.protocol import SamplingParams
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 Id = Annotated[StrictStr, Field(min_length=1, max_length=256)]
 
@@ -143,8 +147,22 @@ class ResponsesRequest(SamplingFields):
     parallel_tool_calls: StrictBool | None = None
     text: TextOptions | None = None
     metadata: dict[str, StrictStr] | None = None
+    include: list[StrictStr] = Field(default_factory=list)
+    top_logprobs: TopLogprobs | None = None
     user: UserName | None = None
     priority: Priority = Field(0, description="vLLM's extension: lower runs first")
+
+    def logprobs_asked(self) -> int | None:
+        """How many alternatives per token when ``include`` asks for the output text's log
+        probabilities (``top_logprobs``, default 0), else None."""
+        if LOGPROBS_INCLUDE in self.include:
+            return self.top_logprobs or 0
+        return None
+
+    def sampling(self) -> SamplingParams:
+        params = super().sampling()
+        asked = self.logprobs_asked()
+        return params if asked is None else dataclasses.replace(params, logprobs=asked)
 
     def items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem]:
         if isinstance(self.input, str):
