@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from app.api import faults
-from app.api.deps import KeyNameDep, ServingDep
+from app.api.deps import KeyNameDep, ServingDep, data_parallel_rank
 from app.api.errors import APIError, error_body, model_failed_message, model_not_found
 from app.api.native import ERROR_RESPONSES, flag_ignored_priority
 from app.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIParams
@@ -103,6 +103,7 @@ def _start(
     prefix: str,
     key_name: str | None,
 ) -> Run:
+    rank = data_parallel_rank(request, serving)
     try:
         lora = serving.adapter(body.model)  # the base model, a LoRA adapter, or 404
     except LookupError:
@@ -119,9 +120,8 @@ def _start(
         sampling=body.sampling(), user=key_name if key_name is not None else body.user,
         key_name=key_name, lora=lora,
     )  # fmt: skip
-    stream = faults.submit(
-        request, serving, params, streaming=bool(body.stream), id_prefix=prefix, model=body.model
-    )
+    stream = faults.submit(request, serving, params, streaming=bool(body.stream),
+                           id_prefix=prefix, model=body.model, rank=rank)  # fmt: skip
     return Run(stream.request_id, stream, StopStringMatcher(stops), int(time.time()))
 
 
