@@ -57,7 +57,9 @@ async def completions(
 ) -> Response:
     ids = completion_prompt_ids(body, serving)
     max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
-    run = _start(request, serving, body, ids, max_tokens, "cmpl", key_name)
+    constraint = requested_constraint(body.response_format, body.structured_outputs)
+    await serving.precompile(*constraint)
+    run = _start(request, serving, body, ids, max_tokens, "cmpl", key_name, constraint)
     shape = CompletionShape(run.id, body.model or serving.settings.model_name, run, bool(body.echo))
     response = await _respond(run, body, request, serving, shape)
     return flag_ignored_priority(response, serving, body.priority)
@@ -77,6 +79,9 @@ async def chat_completions(
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs",
                        code="invalid_value")  # fmt: skip
+    if constraint is None:
+        constraint = requested_constraint(body.response_format, body.structured_outputs)
+    await serving.precompile(*constraint)
     run = _start(request, serving, body, ids, max_tokens, "chatcmpl", key_name, constraint)
     name = body.model or serving.settings.model_name
     shape = ChatShape(run.id, name, run) if plan is None else ToolChatShape(run.id, name, run, plan)
@@ -162,10 +167,11 @@ def _start(
         raise model_not_found(str(body.model), serving.settings.model_name) from None
     unsupported = body.unsupported()
     if unsupported is not None:
-        raise APIError(400, f"{unsupported} is not supported by this server (the mock has no "
-                       "log-probabilities or tools); leave it unset",
+        raise APIError(400, f"{unsupported} is not supported by this server; leave it "
+                       "unset (functions/function_call: use tools/tool_choice; guided_*: use "
+                       "structured_outputs)",
                        param=unsupported, code="unsupported_parameter")  # fmt: skip
-    stops = body.stop_strings()
+    stops = [] if constraint is not None and constraint[1] == "tools" else body.stop_strings()
     if constraint is None:
         constraint = requested_constraint(body.response_format, body.structured_outputs)
     grammar, grammar_param = constraint
