@@ -117,6 +117,11 @@ class Settings(BaseSettings):
         "CPU with AVX-512 BF16 or AMX or a CUDA device with bfloat16, else float32)",
     )
     device: str = Field("cpu", description="real model: torch device (cpu, cuda, cuda:1, ...)")
+    quantization: Literal["none", "int8", "int4"] = Field(
+        "none",
+        description="real model, CPU: weight-only int8 (per row) or int4 (groups of 32, like "
+        "Q4_1) matrices; activations and KV cache stay in --dtype",
+    )
     kv_cache_memory: ByteSize = Field(
         ByteSize(2 << 30),
         gt=0,
@@ -316,19 +321,34 @@ class Settings(BaseSettings):
             )
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
-        pub, replay, ranks = (
-            self.kv_events_endpoint,
-            self.kv_events_replay_endpoint,
-            self.data_parallel_size,
-        )
-        if pub and replay and pub.startswith("tcp://") and replay.startswith("tcp://"):
-            first, other = int(pub.rsplit(":", 1)[1]), int(replay.rsplit(":", 1)[1])
-            if abs(first - other) < ranks:  # rank r uses port + r for both (vLLM's rule)
-                raise ValueError(
-                    f"--kv-events-replay-endpoint's port must be at least --data-parallel-size "
-                    f"({ranks}) away from --kv-events-endpoint's (each rank adds its rank)"
-                )
+        self._kv_event_endpoints_apart()
         return self
+
+    def _kv_event_endpoints_apart(self) -> None:
+        """Every rank's PUB and replay endpoints (vLLM offsets a tcp port by the rank and
+        suffixes an ipc/inproc name) are distinct from each other and from the HTTP port: two
+        binds on one ipc path let the second take it over silently."""
+        from app.kv_events.publisher import offset_endpoint_port
+
+        ranks = range(self.data_parallel_size)
+        named = [(flag, offset_endpoint_port(endpoint, rank))
+                 for flag, endpoint in (("--kv-events-endpoint", self.kv_events_endpoint),
+                                        ("--kv-events-replay-endpoint",
+                                         self.kv_events_replay_endpoint))
+                 if endpoint is not None for rank in ranks]  # fmt: skip
+        seen: dict[str, str] = {}
+        for flag, endpoint in named:
+            port = int(endpoint.rsplit(":", 1)[1]) if endpoint.startswith("tcp://") else None
+            key = endpoint if port is None else f"port {port}"
+            binds = flag.endswith("replay-endpoint") or "*" in endpoint or "::" in endpoint
+            if port is not None and binds and port == self.port != 0:  # (connect: elsewhere)
+                raise ValueError(f"{flag} {endpoint} takes --port {self.port} (the HTTP port)")
+            if key in seen:
+                raise ValueError(
+                    f"{flag} {endpoint} clashes with {seen[key]} ({key} is used twice: each "
+                    f"data-parallel rank adds its rank to a tcp port, _dp<rank> to a name)"
+                )
+            seen[key] = f"{flag} {endpoint}"
 
     @model_validator(mode="after")
     def _kv_cache_holds_a_block(self) -> Self:

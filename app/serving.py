@@ -306,6 +306,17 @@ class Serving:
             return ModelLoadFailedError(f"the model failed to load: {self.load_error}")
         return ModelLoadingError(f"the model {self.settings.model_name!r} is loading")
 
+    async def precompile(self, constraint: Constraint | None, param: str) -> None:
+        """Compile ``constraint`` on a worker thread (a large schema takes a while: never on the
+        event loop), so ``prepare`` finds it compiled; ``InvalidRequestError`` naming ``param``
+        if it does not compile."""
+        if constraint is None:
+            return
+        try:
+            await asyncio.to_thread(self.grammars.matcher, constraint)
+        except ConstraintError as err:
+            raise InvalidRequestError(f"{param}: {err}", param, "invalid_grammar") from None
+
     def mock_calls_tool(self) -> bool:
         """Whether a mock decides to call a tool for a request whose ``tool_choice`` is ``auto``
         (with ``--mock-tool-call-probability``); a real model decides by itself (False)."""

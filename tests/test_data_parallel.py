@@ -107,3 +107,17 @@ async def test_sleep_covers_every_rank(make_client: ClientFactory) -> None:
         assert refused.status_code == 503
         assert (await client.post("/wake_up")).status_code == 200
         assert (await client.get("/health")).json() == {"status": "ok"}
+
+
+async def test_a_non_ascii_digit_rank_header_is_a_400(make_client: ClientFactory) -> None:
+    """Review finding 5: ``²`` (latin-1 0xB2, legal in a header) passes ``str.isdigit`` but not
+    ``int``: it was a 500; every generation route now refuses it with a 400 naming the header."""
+    async with make_client(data_parallel_size=2) as client:
+        routes = (("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+                  ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                            "max_tokens": 2}),
+                  ("/generate", {"prompt": "Hi", "max_tokens": 2, "stream": False}))  # fmt: skip
+        for path, body in routes:
+            refused = await client.post(path, json=body, headers={RANK.encode(): b"\xb2"})
+            assert refused.status_code == 400, path
+            assert refused.json()["error"]["param"] == RANK

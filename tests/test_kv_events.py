@@ -430,6 +430,32 @@ def test_bad_endpoints_are_refused_in_one_line(capsys: pytest.CaptureFixture[str
         assert "--kv-events-endpoint" in err
 
 
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--kv-events-endpoint", "ipc:///tmp/kv", "--kv-events-replay-endpoint", "ipc:///tmp/kv"],
+         "ipc:///tmp/kv is used twice"),
+        (["--kv-events-endpoint", "inproc://kv", "--kv-events-replay-endpoint", "inproc://kv_dp1",
+          "--data-parallel-size", "2"], "inproc://kv_dp1 is used twice"),
+        (["--kv-events-endpoint", "tcp://*:5557", "--kv-events-replay-endpoint", "tcp://*:5558",
+          "--data-parallel-size", "2"], "port 5558 is used twice"),
+        (["--kv-events-endpoint", "tcp://*:8660", "--port", "8660"], "takes --port 8660"),
+        (["--kv-events-endpoint", "tcp://*:5557", "--kv-events-replay-endpoint",
+          "tcp://127.0.0.1:8661", "--port", "8661"], "takes --port 8661"),
+    ],
+)  # fmt: skip
+def test_endpoint_clashes_are_refused_in_one_line(
+    flags: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review finding 6: PUB and replay on one ipc path were accepted (the ROUTER's bind took
+    the path, subscribers got nothing), and a KV-event port equal to --port failed later with
+    uvicorn's generic address-in-use."""
+    with pytest.raises(SystemExit):
+        parse(["serve", "--enable-prefix-caching", *flags])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert says in err and "-endpoint" in err
+
+
 def test_a_port_in_use_is_refused_at_start(tmp_path: Path) -> None:
     ctx = zmq.Context()
     taken = ctx.socket(zmq.PUB)

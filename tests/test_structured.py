@@ -22,6 +22,7 @@ from app.models.mock import MockModel
 from app.models.mock_language import MockLanguage
 from app.models.protocol import Model, StepBatch
 from app.models.tokenizer import EOS_TOKEN_ID, ByteTokenizer
+from app.structured import grammar
 from app.structured.constraint import Constraint, ConstraintError
 from app.structured.grammar import GrammarCompiler, allowed
 
@@ -130,8 +131,14 @@ LEAVES = st.one_of(
     st.just({"type": "null"}),
     st.builds(lambda xs: {"enum": xs}, st.lists(NAMES, min_size=1, max_size=4, unique=True)),
     st.builds(
-        lambda p: {"type": "string", "pattern": p}, st.sampled_from(["^[a-z]{2,5}$", "^\\d+-\\d+$"])
+        lambda p: {"type": "string", "pattern": p},
+        st.sampled_from(["^[a-z]{2,5}$", "^\\d+-\\d+$", "^(foo|bar)+baz$", "^[A-Z]{3}-[0-9]{4}$"]),
     ),
+    st.builds(
+        lambda f: {"type": "string", "format": f},
+        st.sampled_from(["email", "date-time", "uuid", "date"]),
+    ),
+    st.builds(lambda n: {"type": "string", "minLength": n}, st.integers(1, 60)),
 )
 
 
@@ -147,6 +154,11 @@ SCHEMAS = st.recursive(
             lambda items, n: {"type": "array", "items": items, "maxItems": n},
             inner,
             st.integers(0, 3),
+        ),
+        st.builds(
+            lambda items, n: {"type": "array", "items": items, "minItems": n, "maxItems": n + 1},
+            inner,
+            st.integers(1, 3),
         ),
         st.builds(_object, st.dictionaries(NAMES, inner, min_size=1, max_size=4)),
         st.builds(lambda xs: {"anyOf": xs}, st.lists(inner, min_size=2, max_size=2)),
@@ -260,3 +272,31 @@ def test_the_mock_obeys_each_kind_of_constraint(constraint: Constraint, check: A
     drive(MockModel(MockLanguage()), [seq], num_slots=1)
     text = TOKENIZER.decode(seq.generated)
     assert seq.finish_reason == "stop" and check(text), text
+
+
+def test_a_choice_of_thousands_of_options_is_answered_with_one_of_them() -> None:
+    """Review finding: a Lark alternation of 3000 options broke llguidance's row limit at the
+    first token (the request failed as a model error); one regex lexeme scales."""
+    options = [f"w{i:05d}" for i in range(3000)] + ["a.b (c)|d", "x-y~z#&"]
+    seq = constrained("r", b"pick: ", Constraint.choice(options), 20)
+    drive(MockModel(MockLanguage()), [seq], num_slots=1)
+    assert seq.finish_reason == "stop" and TOKENIZER.decode(seq.generated) in options
+    for option in ("a.b (c)|d", "x-y~z#&"):
+        assert replays(Constraint.choice(options), [*option.encode(), EOS_TOKEN_ID])
+
+
+def test_a_constraint_too_large_to_compile_quickly_is_refused() -> None:
+    with pytest.raises(ConstraintError, match="too large"):
+        COMPILER.matcher(Constraint.choice([f"option {i}" for i in range(8000)]))
+
+
+def test_the_compiled_grammar_cache_is_bounded_by_its_sources_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(grammar, "TEMPLATE_BYTES", 50_000)
+    compiler = GrammarCompiler(TOKENIZER)
+    for i in range(12):  # 12 distinct ~10 KB schemas: past the (lowered) 50 KB budget
+        props = {f"p{i}_{k:04d}": {"type": "integer"} for k in range(300)}
+        compiler.matcher(Constraint.json_schema({"type": "object", "properties": props}))
+        assert compiler._template_bytes <= 50_000
+    assert 0 < len(compiler._templates) < 12

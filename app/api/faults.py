@@ -62,22 +62,6 @@ class InjectedFailure(RuntimeError):
     """The failed model call an injected ``server_error`` or stream break reports."""
 
 
-RANK_HEADER = "x-data-parallel-rank"
-
-
-def data_parallel_rank(request: Request, ranks: int) -> int | None:
-    """The rank the ``x-data-parallel-rank`` header names (None: absent, the least loaded
-    rank serves); 400 unless it is an integer in [0, --data-parallel-size)."""
-    value = request.headers.get(RANK_HEADER)
-    if value is None:
-        return None
-    rank = int(value) if value.strip().isdigit() else -1
-    if not 0 <= rank < ranks:
-        raise APIError(400, f"{RANK_HEADER} must be an integer in [0, {ranks}), got {value!r}",
-                       param=RANK_HEADER, code="invalid_data_parallel_rank")  # fmt: skip
-    return rank
-
-
 class FaultInjector:
     """Decides, request by request, which failure to inject (see the module's contract)."""
 
@@ -107,11 +91,12 @@ class FaultInjector:
         streaming: bool,
         id_prefix: str,
         model: str | None,
+        rank: int | None = None,
     ) -> RequestStream:
         """``serving.submit(params)``, unless a failure is injected (see the module's contract).
-        ``model`` is the model the request named, if any (for ``model_not_found``)."""
+        ``model`` is the model the request named, if any (for ``model_not_found``); ``rank``
+        the data-parallel rank the request asked for (None: the least loaded)."""
         forced, after = self._headers(request.scope["headers"])
-        rank = data_parallel_rank(request, serving.settings.data_parallel_size)
         seq = serving.prepare(params, id_prefix)
         failure = forced or self.draw_failure()
         if failure is not None:
@@ -253,9 +238,10 @@ def submit(
     streaming: bool,
     id_prefix: str = "gen",
     model: str | None = None,
+    rank: int | None = None,
 ) -> RequestStream:
     """``FaultInjector.submit`` with the app's injector (``app.state.faults``)."""
     injector: FaultInjector = request.app.state.faults
     return injector.submit(
-        request, serving, params, streaming=streaming, id_prefix=id_prefix, model=model
+        request, serving, params, streaming=streaming, id_prefix=id_prefix, model=model, rank=rank
     )

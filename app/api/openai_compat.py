@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from app.api import faults
-from app.api.deps import KeyNameDep, ServingDep
+from app.api.deps import KeyNameDep, ServingDep, data_parallel_rank
 from app.api.errors import APIError, error_body, model_failed_message, model_not_found
 from app.api.logprobs import CompletionLogprobs, TokenText, chat_content, prompt_logprobs
 from app.api.native import ERROR_RESPONSES, flag_ignored_priority
@@ -57,7 +57,9 @@ async def completions(
 ) -> Response:
     ids = completion_prompt_ids(body, serving)
     max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
-    run = _start(request, serving, body, ids, max_tokens, "cmpl", key_name)
+    constraint = requested_constraint(body.response_format, body.structured_outputs)
+    await serving.precompile(*constraint)
+    run = _start(request, serving, body, ids, max_tokens, "cmpl", key_name, constraint)
     shape = CompletionShape(run.id, body.model or serving.settings.model_name, run, bool(body.echo))
     response = await _respond(run, body, request, serving, shape)
     return flag_ignored_priority(response, serving, body.priority)
@@ -77,6 +79,9 @@ async def chat_completions(
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs",
                        code="invalid_value")  # fmt: skip
+    if constraint is None:
+        constraint = requested_constraint(body.response_format, body.structured_outputs)
+    await serving.precompile(*constraint)
     run = _start(request, serving, body, ids, max_tokens, "chatcmpl", key_name, constraint)
     name = body.model or serving.settings.model_name
     shape = ChatShape(run.id, name, run) if plan is None else ToolChatShape(run.id, name, run, plan)
@@ -155,16 +160,18 @@ def _start(
     key_name: str | None,
     constraint: tuple[Constraint | None, str] | None = None,
 ) -> Run:
+    rank = data_parallel_rank(request, serving)
     try:
         lora = serving.adapter(body.model)  # the base model, a LoRA adapter, or 404
     except LookupError:
         raise model_not_found(str(body.model), serving.settings.model_name) from None
     unsupported = body.unsupported()
     if unsupported is not None:
-        raise APIError(400, f"{unsupported} is not supported by this server (the mock has no "
-                       "log-probabilities or tools); leave it unset",
+        raise APIError(400, f"{unsupported} is not supported by this server; leave it "
+                       "unset (functions/function_call: use tools/tool_choice; guided_*: use "
+                       "structured_outputs)",
                        param=unsupported, code="unsupported_parameter")  # fmt: skip
-    stops = body.stop_strings()
+    stops = [] if constraint is not None and constraint[1] == "tools" else body.stop_strings()
     if constraint is None:
         constraint = requested_constraint(body.response_format, body.structured_outputs)
     grammar, grammar_param = constraint
@@ -176,10 +183,9 @@ def _start(
         constraint=grammar, constraint_param=grammar_param, lora=lora,
     )  # fmt: skip
     n = _choices(body, serving)
-    stream = faults.submit(
-        request, serving, params, streaming=bool(body.stream), id_prefix=prefix, model=body.model
-    )
-    streams = [stream, *_fan_out(serving, params, stream, n)]
+    stream = faults.submit(request, serving, params, streaming=bool(body.stream),
+                           id_prefix=prefix, model=body.model, rank=rank)  # fmt: skip
+    streams = [stream, *_fan_out(serving, params, stream, n, rank)]
     matchers = [StopStringMatcher(stops, params.sampling.min_tokens) for _ in streams]
     text = TokenText(serving.tokenizer)
     top = body.top_logprobs_asked()
@@ -200,10 +206,11 @@ def _choices(body: OpenAIParams, serving: Serving) -> int:
 
 
 def _fan_out(
-    serving: Serving, params: GenerationParams, first: RequestStream, n: int
+    serving: Serving, params: GenerationParams, first: RequestStream, n: int, rank: int | None
 ) -> list[RequestStream]:
     """Choices 1 .. n-1 of a request as requests of their own (ids ``<id>~<i>``, seeds
-    ``seed + i`` when seeded); if one is refused, the others are aborted."""
+    ``seed + i`` when seeded, on data-parallel rank ``rank``: None, the least loaded); if one
+    is refused, the others are aborted."""
     if n == 1 or first.seq.finish_reason is not None:  # (an injected failure: no choices)
         return []
     seed = params.sampling.seed
@@ -214,7 +221,7 @@ def _fan_out(
             sibling = dataclasses.replace(
                 params, request_id=f"{first.request_id}~{i}", sampling=sampling
             )
-            streams.append(serving.submit(sibling))
+            streams.append(serving.enqueue(serving.prepare(sibling), rank))
     except BaseException:
         for stream in [first, *streams]:
             serving.abort(stream.request_id)

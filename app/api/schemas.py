@@ -114,6 +114,12 @@ NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
     "suffix": (None, ""),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
+    # vLLM's legacy structured-output fields (removed there): refused, not silently ignored
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_json_object": (None, False),
 }
 
 
@@ -141,6 +147,11 @@ class OpenAIParams(SamplingFields):
     suffix: object = None
     functions: object = None
     function_call: object = None
+    guided_json: object = None
+    guided_regex: object = None
+    guided_choice: object = None
+    guided_grammar: object = None
+    guided_json_object: object = None
     # structured outputs (app/api/structured.py): OpenAI's and vLLM's request fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None

@@ -44,6 +44,21 @@ class StructuredOutputs(BaseModel):
     choice: Annotated[list[StrictStr], Field(min_length=1)] | None = None
     grammar: StrictStr | None = None
     json_object: StrictBool | None = None
+    # vLLM's knobs this server does not honour: refused when set (see ``_from_structured_outputs``)
+    whitespace_pattern: object = None
+    structural_tag: object = None
+    disable_fallback: object = None
+    disable_any_whitespace: object = None
+    disable_additional_properties: object = None
+
+
+UNHONOURED = (
+    "whitespace_pattern",
+    "structural_tag",
+    "disable_fallback",
+    "disable_any_whitespace",
+    "disable_additional_properties",
+)
 
 
 def requested_constraint(
@@ -76,6 +91,11 @@ def _from_structured_outputs(spec: StructuredOutputs | None) -> tuple[Constraint
     """The constraint and the name of the field that set it."""
     if spec is None:
         return None
+    for knob in UNHONOURED:
+        if getattr(spec, knob) not in (None, False):
+            raise APIError(400, f"structured_outputs.{knob} is not supported by this server; "
+                           "leave it unset", param=f"structured_outputs.{knob}",
+                           code="unsupported_parameter")  # fmt: skip
     chosen: list[tuple[Constraint, str]] = []
     if spec.json_ is not None:
         chosen.append((Constraint.json_schema(_schema(spec.json_)), "json"))

@@ -102,7 +102,11 @@ def tool_plan(body: ChatCompletionRequest, serving: Serving) -> ToolPlan | None:
     choice = _choice(body.tool_choice, tools)
     if choice.mode is ToolMode.NONE:
         return None
-    if choice.mode is ToolMode.AUTO and serving.mock_calls_tool():
+    formatted = any(
+        value is not None and getattr(value, "type", None) != "text"
+        for value in (body.response_format, body.structured_outputs)
+    )  # a reply format governs the content: a mock then answers instead of calling
+    if choice.mode is ToolMode.AUTO and not formatted and serving.mock_calls_tool():
         choice = ToolChoice(ToolMode.REQUIRED)
     parallel = body.parallel_tool_calls is not False
     return ToolPlan(tools, choice, parallel)
@@ -219,7 +223,9 @@ def whole_message(
             listed = [call_json(i, c) for i, c in enumerate(calls)]
             for entry in listed:
                 entry.pop("index")  # a whole message's calls have no index
-            return {"role": "assistant", "content": content, "tool_calls": listed}, "tool_calls"
+            named = plan.choice.mode is ToolMode.NAMED  # OpenAI: "stop" for a named function
+            message = {"role": "assistant", "content": content, "tool_calls": listed}
+            return message, "stop" if named else "tool_calls"
     return {"role": "assistant", "content": text}, reason
 
 
@@ -257,7 +263,7 @@ class ToolDeltas:
             fragment = {"index": 0, "function": {"arguments": text}}
             out.append(({"tool_calls": [fragment]}, None))
         if reason is not None:
-            out.append(({}, "tool_calls" if reason == "stop" else reason))
+            out.append(({}, reason))  # a named function ends with "stop", as OpenAI's does
         return out
 
     def _content_before_call(self) -> list[tuple[dict[str, Any], str | None]]:

@@ -67,7 +67,7 @@ def check_endpoint(endpoint: str) -> str:
     """``endpoint`` if it is a ZeroMQ address vLLM's publisher takes (tcp://HOST:PORT,
     ipc://PATH, inproc://NAME), else ValueError."""
     if not ENDPOINT.match(endpoint) or (
-        endpoint.startswith("tcp://") and not 0 <= int(endpoint.rsplit(":", 1)[1]) <= 65535
+        endpoint.startswith("tcp://") and not 1 <= int(endpoint.rsplit(":", 1)[1]) <= 65535
     ):
         raise ValueError(
             f"{endpoint!r} is not a ZeroMQ endpoint (tcp://*:5557, tcp://HOST:PORT, ipc://PATH "

@@ -11,6 +11,7 @@ token), the scheduler feeds it every accepted token.
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,8 @@ JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 # prefers tokens that close the structure (see ``GrammarMatcher.choose``).
 RUN_LIMIT = 24
 TEMPLATES = 256  # compiled grammars kept (see GrammarCompiler.matcher)
+TEMPLATE_BYTES = 2 << 20  # ... and their sources' total size (compiled: tens of times more)
+MAX_SOURCE = 64 << 10  # a constraint's source at most (a schema, regex, grammar, choices)
 STRUCTURAL = '"{}[],:'
 CLOSING = ('"', "}", "]", ",")  # after EOS, in this order: strings, objects, arrays, items
 NUMBER = "1"  # a value that must start (no string, object or array allowed): a number
@@ -55,7 +58,16 @@ class GrammarMatcher:
     dropped instead (aborted or preempted during the call), the next ``choose`` or ``mask``
     rolls it back first, so the matcher always stands after exactly the accepted tokens."""
 
-    __slots__ = ("_closing", "_eos", "_matcher", "_number", "_pending", "_run", "_structural")
+    __slots__ = (
+        "_closing",
+        "_eos",
+        "_matcher",
+        "_number",
+        "_pending",
+        "_run",
+        "_steered",
+        "_structural",
+    )
 
     def __init__(self, matcher: Any, eos: int, steering: Steering) -> None:
         self._matcher = matcher
@@ -63,6 +75,7 @@ class GrammarMatcher:
         self._closing, self._number, self._structural = steering
         self._pending: int | None = None
         self._run = 0  # accepted tokens since the last structural one (for ``choose``)
+        self._steered = 0  # ``choose`` calls in a row that could not keep the model's token
 
     def mask(self) -> bytes:
         """The allowed next tokens as a bitmask: bit t (byte t // 8, bit t % 8) is token t."""
@@ -88,13 +101,18 @@ class GrammarMatcher:
     def choose(self, preferred: int) -> int:
         """The token a model that cannot apply a mask emits: ``preferred`` while the grammar
         allows it and the current run is short, else the first allowed of EOS and the closing
-        tokens, else ``preferred`` if allowed, else the lowest allowed id. Deterministic, and it
-        steers toward completing the structure (strings and numbers end, containers close)."""
+        tokens, else ``preferred`` if allowed, else the lowest allowed id; after ``RUN_LIMIT``
+        such choices in a row, EOS or an allowed token in a deterministic rotation (so a cycle
+        of preferences cannot last). It steers toward completing the structure."""
         self._settle()
         if self._run < RUN_LIMIT and self._matcher.try_consume_tokens([preferred]) == 1:
             self._pending = preferred
+            self._steered = 0
             return preferred
         mask = bytes(self._matcher.compute_bitmask())
+        self._steered += 1
+        if self._steered > RUN_LIMIT:  # the preferences below may cycle (a closing byte that is
+            return self._rotate(mask)  # also string content, an alternation): rotate instead
         for token in (self._eos, *self._closing):
             if allowed(mask, token):
                 return token
@@ -106,6 +124,19 @@ class GrammarMatcher:
             if byte:
                 return index * 8 + (byte & -byte).bit_length() - 1
         return self._eos  # nothing allowed: the grammar is broken; end the request
+
+    def _rotate(self, mask: bytes) -> int:
+        """EOS if allowed, else an allowed token picked by a deterministic rotation."""
+        if allowed(mask, self._eos):
+            return self._eos
+        ids = [
+            i * 8 + bit
+            for i, byte in enumerate(mask)
+            if byte
+            for bit in range(8)
+            if byte >> bit & 1
+        ]
+        return ids[((self._steered * 0x9E3779B1) >> 16) % len(ids)] if ids else self._eos
 
     def _settle(self) -> None:
         """Roll back a token ``choose`` consumed that was never accepted (it was dropped)."""
@@ -120,6 +151,8 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._vocab = grammar_vocabulary(tokenizer)
         self._templates: OrderedDict[Constraint, Any] = OrderedDict()  # LRU: compiled grammars
+        self._template_bytes = 0
+        self._lock = threading.Lock()  # the LRU: compiles may run on worker threads
         self.vocab_size = tokenizer.vocab_size
         self._eos = tokenizer.eos_token_id
         number = _single_tokens(tokenizer, (NUMBER,))
@@ -132,21 +165,36 @@ class GrammarCompiler:
     def matcher(self, constraint: Constraint) -> GrammarMatcher:
         """A fresh matcher for ``constraint``; ``ConstraintError`` if it does not compile.
 
-        The compiled grammar of the last ``TEMPLATES`` distinct constraints is kept, and a
+        The compiled grammars of the last ``TEMPLATES`` distinct constraints (sources of
+        ``TEMPLATE_BYTES`` at most in all; a source is at most ``MAX_SOURCE``) are kept, and a
         request gets a copy of it (~3 us instead of ~1 ms): the copies share the grammar's
         lazily built lexer states, so the requests of one schema warm them for each other
         (measured: 5.7 instead of 15 us per token over a short reply)."""
-        template = self._templates.get(constraint)
-        if template is None:
+        if len(constraint.source) > MAX_SOURCE:
+            raise ConstraintError(
+                f"too large: {len(constraint.source)} characters (at most {MAX_SOURCE})"
+            )
+        with self._lock:
+            template = self._templates.get(constraint)
+            if template is not None:
+                self._templates.move_to_end(constraint)
+        if template is None:  # compiled outside the lock (it may run on a worker thread)
             template = llguidance.LLMatcher(self._vocab, grammar_text(constraint), log_level=0)
             if template.is_error():
                 raise ConstraintError(shorten(template.get_error()))
-            self._templates[constraint] = template
-            if len(self._templates) > TEMPLATES:
-                self._templates.popitem(last=False)
-        else:
-            self._templates.move_to_end(constraint)
+            self._keep(constraint, template)
         return GrammarMatcher(template.deep_copy(), self._eos, self._steering)
+
+    def _keep(self, constraint: Constraint, template: Any) -> None:
+        """Cache a compiled grammar, evicting the least recently used past the bounds."""
+        with self._lock:
+            if constraint in self._templates:
+                return
+            self._templates[constraint] = template
+            self._template_bytes += len(constraint.source)
+            while len(self._templates) > TEMPLATES or self._template_bytes > TEMPLATE_BYTES:
+                old, _ = self._templates.popitem(last=False)
+                self._template_bytes -= len(old.source)
 
 
 def grammar_text(constraint: Constraint) -> str:
@@ -160,13 +208,21 @@ def grammar_text(constraint: Constraint) -> str:
             return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS))
         if kind is ConstraintKind.REGEX:
             return str(llguidance.LLMatcher.grammar_from_regex(source))
-        if kind is ConstraintKind.CHOICE:
-            options = " | ".join(json.dumps(option) for option in json.loads(source))
-            return str(llguidance.LLMatcher.grammar_from_lark(f"start: {options}"))
+        if kind is ConstraintKind.CHOICE:  # one lexeme: scales to many options (a Lark
+            options = "|".join(map(regex_literal, json.loads(source)))  # alternation does not)
+            return str(llguidance.LLMatcher.grammar_from_regex(f"(?:{options})"))
         text = gbnf_to_lark(source) if "::=" in source else source
         return str(llguidance.LLMatcher.grammar_from_lark(text))
     except (ValueError, TypeError) as err:
         raise ConstraintError(shorten(str(err))) from None
+
+
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
+def regex_literal(text: str) -> str:
+    """``text`` as a regex that matches exactly it (its metacharacters escaped)."""
+    return "".join("\\" + ch if ch in _REGEX_META else ch for ch in text)
 
 
 def _single_tokens(tokenizer: Tokenizer, texts: tuple[str, ...]) -> tuple[int, ...]:

@@ -37,6 +37,15 @@ class ToolSpec:
     description: str = ""
     parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object"})
 
+    @property
+    def arguments_schema(self) -> dict[str, Any]:
+        """``parameters``, always an object (OpenAI reads ``{}`` as "no arguments")."""
+        if self.parameters.get("type") == "object":
+            return self.parameters
+        if not self.parameters:
+            return {"type": "object"}
+        return {"allOf": [{"type": "object"}, self.parameters]}
+
     def as_openai(self) -> dict[str, Any]:
         function = {
             "name": self.name,
@@ -72,7 +81,7 @@ def call_constraint(tools: list[ToolSpec], choice: ToolChoice, parallel: bool) -
     """The grammar a tool choice imposes (None: the text is free)."""
     if choice.mode is ToolMode.NAMED:
         tool = next(t for t in tools if t.name == choice.name)
-        return Constraint.json_schema(tool.parameters)
+        return Constraint.json_schema(tool.arguments_schema)
     if choice.mode is ToolMode.REQUIRED:
         return Constraint.json_schema(calls_schema(tools, parallel))
     return None
@@ -83,7 +92,7 @@ def calls_schema(tools: list[ToolSpec], parallel: bool) -> dict[str, Any]:
     items = [
         {
             "type": "object",
-            "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+            "properties": {"name": {"const": tool.name}, "arguments": tool.arguments_schema},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
