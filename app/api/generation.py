@@ -213,9 +213,21 @@ class EventShaper(Protocol):
         """A model call failed mid-stream: the protocol's error event(s), the stream's last."""
         ...
 
+    def closed(self) -> None:
+        """The stream is over, however it ended (the client may have left midway)."""
+        ...
+
 
 async def events(run: Run, serving: Serving, shaper: EventShaper) -> AsyncIterator[bytes]:
     """The SSE bytes of ``run`` laid out by ``shaper`` (tool calls read as they stream)."""
+    try:
+        async for event in _events(run, serving, shaper):
+            yield event
+    finally:
+        shaper.closed()
+
+
+async def _events(run: Run, serving: Serving, shaper: EventShaper) -> AsyncIterator[bytes]:
     for event in shaper.opening():
         yield event
     reader = CallReader(run.plan) if run.plan is not None else None
