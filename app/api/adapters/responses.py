@@ -346,7 +346,7 @@ class ResponseShape:
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
             "background": bool(body.background), "error": None, "incomplete_details": None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "model": self.model, "output": output or [], "parallel_tool_calls": True,
+            "model": self.model, "output": output or [], "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,
             "temperature": body.temperature, "top_p": body.top_p,
             "tool_choice": _dumped(body.tool_choice) or "auto",
