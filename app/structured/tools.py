@@ -170,10 +170,13 @@ def tools_prompt(tools: list[ToolSpec], choice: ToolChoice) -> str:
         "To call a tool, reply with one block per call:\n"
         f'{OPEN}\n{{"name": <tool name>, "arguments": <arguments object>}}\n{CLOSE}'
     )
-    if choice.mode is ToolMode.NAMED:
-        text += f"\nCall the tool {choice.name} now."
-    elif choice.mode is ToolMode.REQUIRED:
-        text += "\nCall at least one tool now."
+    if choice.mode is ToolMode.NAMED:  # the grammar then forces the arguments object alone
+        text += f"\nCall the tool {choice.name} now: reply with its arguments object only."
+    elif choice.mode is ToolMode.REQUIRED:  # ... or a JSON list of calls
+        text += (
+            "\nCall at least one tool now: reply with a JSON list of calls, "
+            '[{"name": <tool name>, "arguments": <arguments object>}, ...].'
+        )
     return text
 
 
