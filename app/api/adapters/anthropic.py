@@ -58,6 +58,7 @@ async def messages(
         id_prefix="msg", tools=plan, constraint=plan.constraint() if plan else None,
         constraint_param="tools",
     )  # fmt: skip
+    await serving.precompile(internal.constraint, internal.constraint_param)  # off the loop
     run = generation.start(request, serving, internal, key_name)
     model = serving.settings.model_name
     response: Response

@@ -74,6 +74,7 @@ async def create(
         user=body.user, model=body.model, stream=bool(body.stream), id_prefix="resp",
         constraint=constraint, constraint_param=param, tools=plan,
     )  # fmt: skip
+    await serving.precompile(internal.constraint, internal.constraint_param)  # off the loop
     run = generation.start(request, serving, internal, key_name)
     shape = ResponseShape(run, body, serving)
     entry = Stored(run.id, shape.object("queued"), messages, calls, bool(body.background))
