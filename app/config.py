@@ -151,7 +151,10 @@ class Settings(BaseSettings):
         10_000, ge=1, description="KV-event batches kept for replay"
     )
     kv_events_queue_size: int = Field(
-        10_000, ge=1, description="KV-event batches queued for sending; past it they are dropped"
+        10_000,
+        ge=1,
+        description="KV-event batches queued for sending; past it a step's events wait for "
+        "the next batch",
     )
     kv_events_int_hashes: bool = Field(
         True, description="KV events carry block hashes as 64-bit integers (else the bytes)"
