@@ -8,9 +8,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import msgspec
 from conftest import ClientFactory, serving_of
 from prometheus_client.parser import text_string_to_metric_families
-from test_kv_events import Subscriber, chain_tokens, vllm_hashes
+from test_kv_events import Subscriber, V026Batch, chain_tokens, vllm_hashes
 
 from app.serving import GenerationParams
 
@@ -67,7 +68,9 @@ async def test_each_rank_publishes_its_own_kv_events(
         serving = serving_of(client)
         publishers = serving.rank_events
         assert [p.endpoint for p in publishers if p] == [endpoint, f"{endpoint}_dp1"]
-        subs = [Subscriber(p.endpoint, str(p.replay_endpoint)) for p in publishers if p]
+        decoder = msgspec.msgpack.Decoder(V026Batch)  # (the default encoding)
+        subs = [Subscriber(p.endpoint, str(p.replay_endpoint), decoder=decoder)
+                for p in publishers if p]  # fmt: skip
         try:
             shared = "A system prompt shared by every request here. "
             for i in range(6):

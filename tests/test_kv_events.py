@@ -113,6 +113,14 @@ class Recent:
         data_parallel_rank: int | None = None
 
 
+class V026Batch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """vLLM 0.24-0.26's batch (the events maps since vllm#42892, the batch still an array)."""
+
+    ts: float
+    events: list[Recent.BlockStored | Recent.BlockRemoved | Recent.AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
 # --- vLLM's block hash, reimplemented ----------------------------------------------------------
 
 
@@ -213,6 +221,7 @@ class Subscriber:
 
 
 def config(tmp_path: Path, **kw: Any) -> KVEventsConfig:
+    kw.setdefault("encoding", "array")  # (the legacy schema above; map layouts tested below)
     return KVEventsConfig(f"ipc://{tmp_path}/kv", f"ipc://{tmp_path}/replay", block_size=BS, **kw)
 
 
@@ -286,8 +295,8 @@ async def test_the_books_balance_after_a_shared_prefix_workload(tmp_path: Path) 
         sub.close()
 
 
-async def test_recent_vllms_map_encoding_balances_the_books_too(tmp_path: Path) -> None:
-    publisher = KVEventPublisher(config(tmp_path, encoding="map"))
+async def test_vllm_mains_map_batch_encoding_balances_the_books_too(tmp_path: Path) -> None:
+    publisher = KVEventPublisher(config(tmp_path, encoding="map-batch"))
     decoder = msgspec.msgpack.Decoder(Recent.KVEventBatch)
     sub = Subscriber(publisher.endpoint, str(publisher.replay_endpoint), decoder=decoder)
     engine = Engine(CachedMockModel(6), engine_config(), kv_events=publisher)
@@ -299,6 +308,38 @@ async def test_recent_vllms_map_encoding_balances_the_books_too(tmp_path: Path) 
         first = msgspec.msgpack.decode(publisher._buffer[0][1])
         assert set(first) == {"ts", "events", "data_parallel_rank"}
         assert first["events"][0]["type"] == "BlockStored"
+    finally:
+        await engine.stop()
+        publisher.close()
+        sub.close()
+
+
+async def test_the_default_encoding_is_released_vllms_map_events(tmp_path: Path) -> None:
+    """Review finding 1: the default was vLLM's old positional layout, which vLLM 0.24+
+    subscribers reject. The default now sends map events in an array batch (vLLM 0.24-0.26),
+    decoded here with that schema, and ``extra_keys`` per block (the adapter's name)."""
+    assert Settings().kv_events_encoding == "map" == KVEventsConfig("inproc://x").encoding
+    publisher = KVEventPublisher(config(tmp_path, encoding="map"))
+    decoder = msgspec.msgpack.Decoder(V026Batch)
+    sub = Subscriber(publisher.endpoint, str(publisher.replay_endpoint), decoder=decoder)
+    engine = Engine(CachedMockModel(6), dataclasses.replace(engine_config(), max_loras=2),
+                    kv_events=publisher)  # fmt: skip
+    await engine.start()
+    try:
+        seqs = workload(20, random.Random(6))
+        for i, seq in enumerate(seqs):
+            seq.lora = ("sql", None)[i % 2]
+        await run(engine, seqs)
+        await settle(publisher, sub)
+        assert sub.books() == expected_books(engine)
+        raw = msgspec.msgpack.decode(publisher._buffer[0][1])
+        assert isinstance(raw, list) and raw[1][0]["type"] == "BlockStored"
+        stored = [e for b in sub.batches.values() for e in b.events
+                  if isinstance(e, Recent.BlockStored)]  # fmt: skip
+        for event in stored:
+            extra = None if event.lora_name is None else (event.lora_name,)
+            assert event.extra_keys == [extra] * len(event.block_hashes)
+        assert {e.lora_name for e in stored} == {None, "sql"}
     finally:
         await engine.stop()
         publisher.close()

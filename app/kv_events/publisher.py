@@ -49,11 +49,16 @@ from app.kv_events.schema import (
     MapAllBlocksCleared,
     MapBlockRemoved,
     MapBlockStored,
+    MapEventsBatch,
     MapKVEventBatch,
 )
 
-ARRAY = (KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared)
-MAP = (MapKVEventBatch, MapBlockStored, MapBlockRemoved, MapAllBlocksCleared)
+Encoding = Literal["array", "map", "map-batch"]
+STRUCTS: dict[str, tuple[Any, Any, Any, Any]] = {  # batch, stored, removed, cleared
+    "array": (KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared),
+    "map": (MapEventsBatch, MapBlockStored, MapBlockRemoved, MapAllBlocksCleared),
+    "map-batch": (MapKVEventBatch, MapBlockStored, MapBlockRemoved, MapAllBlocksCleared),
+}
 
 log = logging.getLogger("slotserve.kv_events")
 
@@ -111,7 +116,7 @@ class KVEventsConfig:
     hash_algo: HashAlgo = "sha256"
     hash_seed: str = "0"
     int_hashes: bool = True
-    encoding: Literal["array", "map"] = "array"  # vLLM's array-like structs, or recent maps
+    encoding: Encoding = "map"  # vLLM 0.24+'s map events (see app/kv_events/schema.py)
 
 
 def _bind_or_connect(socket: zmq.Socket[bytes], endpoint: str) -> None:
@@ -149,7 +154,8 @@ class KVEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._hasher = BlockHasher(config.hash_algo, config.hash_seed)
         self._encoder = msgspec.msgpack.Encoder()
-        self._structs = ARRAY if config.encoding == "array" else MAP
+        self._structs = STRUCTS[config.encoding]
+        self._extra_keys = config.encoding != "array"  # (the array layout predates them)
         self._topic = config.topic.encode()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._pub, self._replay = self._open_sockets()
@@ -266,8 +272,11 @@ class KVEventPublisher:
             parent = None if first.parent is None else external(digest(first.parent), as_int)
             tokens = [t for block in event.blocks for t in block.tokens]
             hashes = [external(digest(block), as_int) for block in event.blocks]
-            return stored(hashes, parent, tokens, self.config.block_size, None, MEDIUM_GPU,
-                          first.lora)  # fmt: skip
+            args = (hashes, parent, tokens, self.config.block_size, None, MEDIUM_GPU, first.lora)
+            if self._extra_keys:  # vLLM's per-block extra keys: the adapter's name, if any
+                extra = None if first.lora is None else (first.lora,)
+                return stored(*args, extra_keys=[extra] * len(hashes))
+            return stored(*args)
         if event.kind is CacheEventKind.REMOVED:
             return removed([external(digest(b), as_int) for b in event.blocks], MEDIUM_GPU)
         return cleared()
