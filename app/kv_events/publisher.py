@@ -19,9 +19,10 @@ past its high-water mark, which is also a gap the replay covers.
 
 Replays never starve publishing: the thread takes one replay request at a time and answers it
 over several loop turns (``REPLAY_CHUNK`` batches per turn, the queue sent in between), up to
-the last batch buffered when the request came. The ROUTER socket drops answers to a client that
-reads slower than its high-water mark allows (as vLLM's does): such a client may miss batches
-and the end marker, and should time out and ask again.
+the last batch buffered when the request came. The ROUTER socket's high-water mark holds one
+whole replay (``buffer_steps`` + 1 messages) per client, so a slow reader of one replay loses
+nothing; past it (a client asking again without reading) ZeroMQ drops answers, as in vLLM:
+such a client may miss batches and the end marker, and should time out and ask again.
 """
 
 from __future__ import annotations
@@ -171,6 +172,7 @@ class KVEventPublisher:
             _bind_or_connect(pub, self.endpoint)
             if self.replay_endpoint is not None:
                 replay = self._ctx.socket(zmq.ROUTER)
+                replay.set_hwm(self.config.buffer_steps + 1)  # a whole replay per client
                 replay.bind(self.replay_endpoint)
         except zmq.ZMQError as err:
             pub.close(linger=0)
