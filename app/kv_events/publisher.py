@@ -165,6 +165,8 @@ class KVEventPublisher:
         self._thread.start()
 
     def _open_sockets(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None]:
+        """The PUB socket (bound or connected) and the replay ROUTER (bound), if any;
+        ``KVEventsError`` if either cannot be opened (nothing left open then)."""
         pub = self._ctx.socket(zmq.PUB)
         replay: zmq.Socket[bytes] | None = None
         try:
