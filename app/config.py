@@ -41,6 +41,9 @@ class Settings(BaseSettings):
     max_waiting: int = Field(1024, ge=0, description="waiting-queue bound; past it: 429")
     max_model_len: int = Field(8192, ge=2, description="context length: prompt + max_tokens")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request omits it")
+    max_n: int = Field(
+        16, ge=1, description="OpenAI routes: the most choices (n) one request may ask"
+    )
     max_num_batched_tokens: int = Field(
         2048, ge=1, description="token budget per step (decode + prefill); >= --num-slots"
     )
@@ -114,6 +117,11 @@ class Settings(BaseSettings):
         "CPU with AVX-512 BF16 or AMX or a CUDA device with bfloat16, else float32)",
     )
     device: str = Field("cpu", description="real model: torch device (cpu, cuda, cuda:1, ...)")
+    quantization: Literal["none", "int8", "int4"] = Field(
+        "none",
+        description="real model, CPU: weight-only int8 (per row) or int4 (groups of 32, like "
+        "Q4_1) matrices; activations and KV cache stay in --dtype",
+    )
     kv_cache_memory: ByteSize = Field(
         ByteSize(2 << 30),
         gt=0,
@@ -204,6 +212,9 @@ class Settings(BaseSettings):
     mock_stop_probability: float = Field(
         0.01, ge=0, le=1, description="chance per token that the mock ends its output"
     )
+    mock_tool_call_probability: float = Field(
+        0.0, ge=0, le=1, description="chance that the mock calls a tool under tool_choice auto"
+    )
     seed: int = Field(
         0,
         description="seed of the mock model, the step clock's jitter and injected failures",
@@ -237,6 +248,12 @@ class Settings(BaseSettings):
     )
     allow_fault_headers: bool = Field(
         False, description="honour x-slotserve-fail and x-slotserve-fail-after (tests only)"
+    )
+    responses_store_size: int = Field(
+        1000, ge=0, description="/v1/responses: responses kept in memory (0: none)"
+    )
+    responses_store_seconds: float = Field(
+        3600.0, gt=0, description="/v1/responses: seconds a finished response is kept"
     )
 
     @field_validator("failure_types")

@@ -69,6 +69,7 @@ async def load(settings: Settings) -> LoadedModel:
                 kv_cache_memory=int(settings.kv_cache_memory),
                 cache_dir=settings.model_cache_dir,
                 threads=settings.torch_threads,
+                quantization=settings.quantization,
             )
         except BaseException as exc:  # reported to the awaiting task, not lost in the thread
             report(None, exc)

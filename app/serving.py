@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
+import random
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -35,6 +37,8 @@ from app.models.mock import MockModel
 from app.models.mock_language import MockLanguage
 from app.models.protocol import DEFAULT_SAMPLING, Model, SamplingParams
 from app.models.tokenizer import ByteTokenizer, Tokenizer
+from app.structured.constraint import Constraint, ConstraintError
+from app.structured.grammar import GrammarCompiler
 
 if TYPE_CHECKING:
     from app.kv_events.publisher import KVEventPublisher
@@ -86,11 +90,16 @@ class GenerationParams:
     request_id: str | None = None
     priority: int = 0
     sampling: SamplingParams = DEFAULT_SAMPLING
+    bad_words: list[str] = field(default_factory=list)  # text: tokenized into sampling here
     user: str | None = None  # the request's own user field
     # The named API key the request authenticated with (None: no named keys). When set, it is
     # the request's user for --policy fair (a client cannot override it) and
     # --max-priority-for bounds its priority.
     key_name: str | None = None
+    # What the output must match (structured outputs, a tool call), and the request field that
+    # set it (named in the 400 if it does not compile).
+    constraint: Constraint | None = None
+    constraint_param: str = "response_format"
     lora: str | None = None  # the LoRA adapter the request names (None: the base model)
 
 
@@ -209,10 +218,12 @@ class Serving:
         self.priority_limits = settings.priority_limits()
         self.api_keys = settings.api_keys()
         self.load_error: str | None = None
+        self._tool_draws = random.Random(settings.seed)  # --mock-tool-call-probability
         self._loading: asyncio.Task[None] | None = None
         self._engine: Engine | None = None  # rank 0's (the only one without data parallelism)
         self.engines: list[Engine] = []  # one per data-parallel rank, once installed
         self._tokenizer: Tokenizer | None = None
+        self._grammars: GrammarCompiler | None = None
         self.asleep: frozenset[str] = frozenset()  # the parts still asleep (see ``sleep``)
         self.sleep_level = 0
         self._ready_at = 0.0  # monotonic time --startup-delay ends (set by ``start``)
@@ -252,9 +263,12 @@ class Serving:
                     opened.close()
             raise
 
-    def _install(self, model: Model, tokenizer: Tokenizer) -> None:
+    def _install(
+        self, model: Model, tokenizer: Tokenizer, grammars: GrammarCompiler | None = None
+    ) -> None:
         self.model = model
         self._tokenizer = tokenizer
+        self._grammars = grammars or GrammarCompiler(tokenizer)
         config = engine_config(self.settings)
         for rank, metrics in enumerate(self.rank_metrics):
             rank_model = model if rank == 0 else build_model(self.settings)
@@ -273,6 +287,14 @@ class Serving:
         return self._engine
 
     @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler for the model's vocabulary; ``ModelLoadingError`` while a real
+        model loads."""
+        if self._grammars is None:
+            raise self._not_loaded()
+        return self._grammars
+
+    @property
     def tokenizer(self) -> Tokenizer:
         """The model's tokenizer; ``ModelLoadingError`` while a real model loads."""
         if self._tokenizer is None:
@@ -283,6 +305,23 @@ class Serving:
         if self.load_error is not None:
             return ModelLoadFailedError(f"the model failed to load: {self.load_error}")
         return ModelLoadingError(f"the model {self.settings.model_name!r} is loading")
+
+    async def precompile(self, constraint: Constraint | None, param: str) -> None:
+        """Compile ``constraint`` on a worker thread (a large schema takes a while: never on the
+        event loop), so ``prepare`` finds it compiled; ``InvalidRequestError`` naming ``param``
+        if it does not compile."""
+        if constraint is None:
+            return
+        try:
+            await asyncio.to_thread(self.grammars.matcher, constraint)
+        except ConstraintError as err:
+            raise InvalidRequestError(f"{param}: {err}", param, "invalid_grammar") from None
+
+    def mock_calls_tool(self) -> bool:
+        """Whether a mock decides to call a tool for a request whose ``tool_choice`` is ``auto``
+        (with ``--mock-tool-call-probability``); a real model decides by itself (False)."""
+        p = self.settings.mock_tool_call_probability
+        return not self._real and p > 0 and self._tool_draws.random() < p
 
     def priority_ignored(self, priority: int) -> bool:
         """Whether a request's ``priority`` has no effect here (a non-default priority under a
@@ -340,7 +379,13 @@ class Serving:
             log.exception("model %s not loaded", self.settings.model)
             return
         self.settings = sized(self.settings, loaded)
-        self._install(loaded.model, loaded.tokenizer)
+        try:  # the grammar engine's vocabulary: ~1 s for a 49k vocabulary, off the event loop
+            grammars = await asyncio.to_thread(GrammarCompiler, loaded.tokenizer)
+        except Exception as exc:
+            self.load_error = f"the grammar engine cannot read the tokenizer: {exc!r}"
+            log.exception("model %s not loaded", self.settings.model)
+            return
+        self._install(loaded.model, loaded.tokenizer, grammars)
         await self.engine.start()
         log.info("model %s ready", self.settings.model_name)
 
@@ -392,6 +437,11 @@ class Serving:
         if rank is not None:
             return engines[rank]
         return min(engines, key=lambda engine: len(engine.core.live))
+
+    def _live(self, request_id: str) -> RequestStream | None:
+        """The stream of the live request ``request_id``, on whichever rank holds it."""
+        rank = self._rank_of(request_id) if len(self.engines) > 1 else 0
+        return None if rank is None else self.engines[rank].core.live.get(request_id)
 
     def _rank_of(self, request_id: str) -> int | None:
         """The rank whose engine holds the live request ``request_id``."""
@@ -455,12 +505,18 @@ class Serving:
     async def cancel(self, request_id: str) -> bool:
         """Abort a live request and wait (at most ``CANCEL_TIMEOUT``) until the engine has
         applied it, so its id is free again on return. False if no live request has this id."""
-        rank = self._rank_of(request_id) if len(self.engines) > 1 else 0
-        stream = None if rank is None else self.engines[rank].core.live.get(request_id)
+        stream = self._live(request_id)
         if stream is None or not self.abort(request_id):
             return False
+        streams = [stream]
+        for i in range(1, self.settings.max_n):  # the other choices of an n > 1 request
+            sibling = self._live(f"{request_id}~{i}")
+            if sibling is None:
+                continue
+            self.abort(sibling.request_id)
+            streams.append(sibling)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stream.ended(), CANCEL_TIMEOUT)
+            await asyncio.wait_for(asyncio.gather(*(s.ended() for s in streams)), CANCEL_TIMEOUT)
         return True
 
     def slots(self, rank: int = 0) -> list[dict[str, object]]:
@@ -500,23 +556,61 @@ class Serving:
             raise InvalidRequestError("prompt must not be empty", "prompt", "empty_prompt")
         self._check_vocabulary(params.prompt, "prompt")
         self._check_vocabulary(params.stop_token_ids, "stop_token_ids")
+        sampling = self._sampling(params)
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(self.tokenizer.stop_token_ids)
         text_stop = None
         if params.stop_strings:
-            text_stop = StopStrings(params.stop_strings, self.tokenizer.stream_decoder())
+            decoder = self.tokenizer.stream_decoder()
+            text_stop = StopStrings(params.stop_strings, decoder, sampling.min_tokens)
+        max_tokens = self._max_tokens(len(params.prompt), params.max_tokens)
+        if sampling.min_tokens > max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({sampling.min_tokens}) exceeds max_tokens ({max_tokens})",
+                "min_tokens", "invalid_value",
+            )  # fmt: skip
+        constraint = None
+        if params.constraint is not None:
+            try:
+                constraint = self.grammars.matcher(params.constraint)
+            except ConstraintError as err:
+                raise InvalidRequestError(
+                    f"{params.constraint_param}: {err}", params.constraint_param, "invalid_grammar"
+                ) from None
         return Sequence(
             request_id=params.request_id or f"{id_prefix}-{uuid.uuid4().hex}",
             tokens=list(params.prompt),
-            max_tokens=self._max_tokens(len(params.prompt), params.max_tokens),
+            max_tokens=max_tokens,
             stop_token_ids=_shared_stop_set(tuple(sorted(stops))),
             priority=self._priority(params),
-            sampling=params.sampling,
+            sampling=sampling,
             stop=text_stop,
+            constraint=constraint,
             user=params.key_name if params.key_name is not None else params.user,
             lora=params.lora,
         )
+
+    def _sampling(self, params: GenerationParams) -> SamplingParams:
+        """The request's sampling parameters, checked against the vocabulary and the model,
+        with its ``bad_words`` tokenized (each alone and after a space, as vLLM does)."""
+        sampling = params.sampling
+        if sampling.plain and not params.bad_words:
+            return sampling
+        self._check_vocabulary([token for token, _ in sampling.logit_bias], "logit_bias")
+        self._check_vocabulary(list(sampling.allowed_token_ids or ()), "allowed_token_ids")
+        if params.bad_words:
+            encode = self.tokenizer.encode
+            words = {tuple(ids) for w in params.bad_words for ids in (encode(w), encode(" " + w))}
+            sampling = dataclasses.replace(sampling, bad_words=tuple(w for w in words if w))
+        if not supports_sampling(self.model):
+            raise InvalidRequestError(
+                "this model cannot honour logits processors or log probabilities (it has no "
+                "step_sampled / next_tokens_for)",
+                "logprobs" if sampling.logprobs is not None else "logit_bias",
+                "unsupported_parameter",
+            )  # fmt: skip
+        return sampling
 
     def _priority(self, params: GenerationParams) -> int:
         """The request's priority. ``--max-priority-for``: a named key may not claim a better
@@ -559,6 +653,11 @@ class Serving:
         if room < 0 or max_tokens > room:
             raise context_length_error(prompt_len, max_tokens, context)
         return max_tokens
+
+
+def supports_sampling(model: object) -> bool:
+    """Whether ``model`` honours per-request logits processors and log probabilities."""
+    return callable(getattr(model, "step_sampled", getattr(model, "next_tokens_for", None)))
 
 
 @functools.lru_cache(maxsize=256)

@@ -201,8 +201,8 @@ def refusal(err: EngineError) -> APIError:
 
 
 def invalid_api_key() -> APIError:
-    """401 for a missing or wrong ``Authorization: Bearer <key>``."""
-    return APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+    """401 for a missing or wrong ``Authorization: Bearer <key>`` (or ``x-api-key``)."""
+    return APIError(401, "missing or invalid API key (Authorization: Bearer <key> or x-api-key)",
                     "authentication_error", code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
 

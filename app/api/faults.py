@@ -226,7 +226,8 @@ class BreakingStream(RequestStream):
             self._left = BROKEN
             self._cut()
             if shown:
-                return Delta(shown)
+                logprobs = None if delta.logprobs is None else delta.logprobs[: len(shown)]
+                return Delta(shown, logprobs=logprobs)
 
 
 def submit(

@@ -45,6 +45,7 @@ async def generate(
         request_id=body.request_id,
         priority=body.priority,
         sampling=body.sampling(),
+        bad_words=body.bad_words or [],
         user=key_name if key_name is not None else body.user,
         key_name=key_name,
     )

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from app.engine.errors import ModelOutputError
 from app.engine.kv_books import KVBooks
 from app.engine.policies import FCFS, Policy, PolicyConfig, make_policy
 from app.engine.prefix_cache import CachedBlock, PrefixCache
@@ -33,7 +34,7 @@ from app.engine.slots import SlotTable
 from app.engine.step import ModelOutput, SchedulerOutput, StepOutcome
 from app.engine.types import FinishReason, RequestStatus, Sequence
 from app.engine.waiting import WaitingQueue
-from app.models.protocol import PrefillChunk
+from app.models.protocol import Logprobs, PrefillChunk
 
 UNBOUNDED = 1 << 62
 
@@ -154,8 +155,8 @@ class Scheduler:
     def add(self, seq: Sequence, now: float) -> bool:
         """Queue ``seq``. Returns True if it finished at once: ``max_tokens == 0`` (never run,
         ``length``) or too long for the whole KV cache (``error``)."""
-        if seq.max_tokens <= 0:
-            self._close(seq, FinishReason.LENGTH, now)
+        if seq.max_tokens <= 0 and seq.prompt_logprobs is None:
+            self._close(seq, FinishReason.LENGTH, now)  # (with prompt logprobs: prefill only)
             return True
         if self.config.kv_binds and not self.books.fits_ever(seq.token_limit - 1):
             seq.error = ValueError(
@@ -258,7 +259,9 @@ class Scheduler:
         if len(tokens) != expected:
             raise ValueError(f"{len(tokens)} tokens for a step that samples {expected}")
         outcome = StepOutcome(out, now)
-        outcome.num_decode_generated = self._apply_decodes(out.decode_seqs, tokens, outcome)
+        outcome.num_decode_generated = self._apply_decodes(
+            out.decode_seqs, tokens, outcome, result.logprobs
+        )
         self._apply_prefills(out, result, outcome)
         self.slots.set_out_of_service(result.unavailable_slots)
         return outcome
@@ -345,7 +348,7 @@ class Scheduler:
             self._unstarted.discard(seq.request_id)
         prefix = seq.tokens[:start] if first and start else ()
         chunk = PrefillChunk(seq.slot, seq.tokens[start : start + size], start, sample,
-                             seq.sampling, seq.request_id, prefix)  # fmt: skip
+                             seq.sampling, seq.request_id, prefix, seq)  # fmt: skip
         out.prefill_seqs.append(seq)
         out.prefills.append(chunk)
         out.num_prefill_tokens += size
@@ -447,23 +450,31 @@ class Scheduler:
     def _cached_prefix(self, seq: Sequence) -> list[CachedBlock]:
         """The cached leading blocks of ``seq``'s prompt (none without a prefix cache). At
         least its last token is always computed, to sample from."""
-        if self.prefix_cache is None:
-            return []
+        if self.prefix_cache is None or seq.prompt_logprobs is not None:
+            return []  # prompt log probabilities need every prompt position computed
         return self.prefix_cache.lookup(seq, len(seq.tokens) - 1)
 
-    def _apply_decodes(self, seqs: list[Sequence], tokens: list[int], outcome: StepOutcome) -> int:
+    def _apply_decodes(
+        self,
+        seqs: list[Sequence],
+        tokens: list[int],
+        outcome: StepOutcome,
+        logprobs: list[Logprobs | None] | None,
+    ) -> int:
         """The hot path: one token for each decoding request. Returns the tokens applied."""
         finished, now, running = outcome.finished, outcome.ended_at, RequestStatus.RUNNING
         skipped = dropped = 0
-        for seq, token in zip(seqs, tokens, strict=False):
+        for i, (seq, token) in enumerate(zip(seqs, tokens, strict=False)):
             if seq.status is not running:
                 skipped += 1  # aborted or preempted while the model ran: its token is dropped
             elif (
                 token in seq.stop_token_ids
                 or len(seq.tokens) + 1 >= seq.token_limit
-                or seq.stop is not None
+                or seq.slow
+                or seq.constraint is not None
             ):
-                dropped += self._append(seq, token, now, finished)  # every end rule: one place
+                logprob = None if logprobs is None else logprobs[i]
+                dropped += self._append(seq, token, now, finished, logprob)  # every end rule
             else:
                 seq.tokens.append(token)  # one token, not the last: the request has computed it
         outcome.num_generated += len(seqs) - skipped - dropped
@@ -486,31 +497,60 @@ class Scheduler:
             seq.prefilled = chunk.start + len(chunk.token_ids)
             if self.prefix_cache is not None:
                 self.prefix_cache.publish(seq)
+            if result.prompt_logprobs is not None and not seq.prompt_logprobs_done:
+                _store_prompt_logprobs(seq, result.prompt_logprobs.get(seq.request_id))
             if token is None:
                 continue
             self._prefilling.remove(seq)
             self._decoding = None  # it decodes from the next step on
             if seq.times.first_token is None:
                 seq.times.first_token = now
-            outcome.num_generated += 1 - self._append(seq, token, now, outcome.finished)
+            logprob = None if result.logprobs is None else result.logprobs[index - 1]
+            outcome.num_generated += 1 - self._append(seq, token, now, outcome.finished, logprob)
 
-    def _append(self, seq: Sequence, token: int, now: float, finished: list[Sequence]) -> int:
-        """Append ``token`` and apply the end rules: a stop token (kept only with
-        ``include_stop``), a stop string, ``max_tokens``. Returns 1 if the token was a stop
-        token left out of the output, else 0."""
-        if token in seq.stop_token_ids:
+    def _append(
+        self,
+        seq: Sequence,
+        token: int,
+        now: float,
+        finished: list[Sequence],
+        logprob: Logprobs | None = None,
+    ) -> int:
+        """Append ``token`` (and its log probabilities, if asked for) and apply the end rules:
+        a stop token (kept only with ``include_stop``), a stop string, ``max_tokens``, the end
+        of its grammar. Before ``min_tokens`` tokens were generated, a stop token is an ordinary
+        token (the model should not have sampled it) and stop strings do not match
+        (``StopStrings`` counts). A request with ``max_tokens == 0`` (it ran only for its prompt
+        log probabilities) keeps nothing. Returns 1 if the token was left out of the output (a
+        stop token, or a token its grammar refused), else 0."""
+        if seq.max_tokens == 0:
+            self._finish(seq, FinishReason.LENGTH, now)
+            finished.append(seq)
+            return 1
+        if seq.constraint is not None and not seq.constraint.accept(token):
+            seq.error = ModelOutputError(f"token {token} is not allowed by the request's grammar")
+            self._finish(seq, FinishReason.ERROR, now)
+            finished.append(seq)
+            return 1
+        if token in seq.stop_token_ids and seq.num_generated >= seq.sampling.min_tokens:
             reason = FinishReason.STOP
             if not seq.include_stop:
                 self._finish(seq, reason, now)
                 finished.append(seq)
                 return 1
             seq.tokens.append(token)
+            if seq.logprobs is not None:
+                seq.logprobs.append(logprob)
         else:
             seq.tokens.append(token)
+            if seq.logprobs is not None:
+                seq.logprobs.append(logprob)
             if seq.stop is not None and seq.stop.feed([token]):
                 reason = FinishReason.STOP
             elif len(seq.tokens) >= seq.token_limit:
                 reason = FinishReason.LENGTH
+            elif seq.constraint is not None and seq.constraint.finished:
+                reason = FinishReason.STOP  # its grammar ended on a token that is no stop token
             else:
                 return 0
         self._finish(seq, reason, now)
@@ -537,6 +577,7 @@ class Scheduler:
     def _close(self, seq: Sequence, reason: FinishReason, now: float) -> None:
         seq.status = RequestStatus.FINISHED
         seq.finish_reason = reason
+        seq.constraint = None  # its grammar state is freed with the request
         seq.times.finished = now
 
     def _requeue(self, seq: Sequence, status: RequestStatus, now: float) -> None:
@@ -563,3 +604,15 @@ class Scheduler:
         seq.prefilled = 0
         if self.prefix_cache is not None:
             self.prefix_cache.release(seq)
+
+
+def _store_prompt_logprobs(seq: Sequence, found: tuple[int, list[Logprobs]] | None) -> None:
+    """Keep the prompt log probabilities a step computed for ``seq``, in position order: only
+    those that continue what it has (a resumed request's recomputed prompt adds nothing)."""
+    stored = seq.prompt_logprobs
+    if found is None or stored is None:
+        return
+    position, entries = found
+    skip = len(stored) - position
+    if skip >= 0:
+        stored.extend(entries[skip : max(skip, seq.prompt_len - position)])

@@ -1,17 +1,29 @@
-"""``Linear``: ``y = x @ W.T + b`` for the forward's weight matrices.
+"""``Linear``: ``y = x @ W.T + b`` for the forward's weight matrices, stored one of three ways.
 
-On a CPU in bfloat16, ``F.linear`` hands the weight to oneDNN, which reorders it into its
-blocked layout at every call; ``Linear`` reorders it once at load (oneDNN's prepacked weight,
-the one torch's own inductor uses when it freezes a model) and calls oneDNN directly. Same
-kernel, same results bit for bit, without the per-call reorder: measured here 12% less time per
-product at 32 rows and 2x less at 1 row (docs/benchmarks.md, "Forward"). Elsewhere (float32,
-CUDA, no oneDNN) it is ``F.linear``.
+- Full precision. On a CPU in bfloat16, ``F.linear`` hands the weight to oneDNN, which reorders
+  it into its blocked layout at every call; here it is reordered once at load (oneDNN's
+  prepacked weight, the one torch's inductor uses when it freezes a model) and oneDNN is called
+  directly: same kernel, same results bit for bit, without the per-call reorder (measured 12%
+  less time per product at 32 rows, 2x less at 1 row). Elsewhere it is ``F.linear``.
+- ``int8``: one signed byte per weight and one scale per output row (symmetric), torch's
+  ``_weight_int8pack_mm`` CPU kernel.
+- ``int4``: 4 bits per weight in groups of 32 along the input, each group with a scale and a
+  minimum (asymmetric, like GGUF's Q4_1), torch's ``_weight_int4pack_mm_for_cpu`` kernel.
+
+Quantization is weight-only: activations stay in the model's dtype. It pays where a step is
+bound by reading the weights (one or a few rows); docs/benchmarks.md has the accuracy.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
+
+Quantization = Literal["none", "int8", "int4"]
+QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int4")
+INT4_GROUP = 32
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -27,16 +39,62 @@ def can_prepack(weight: torch.Tensor) -> bool:
 class Linear:
     """A weight (out, in) and an optional bias (out,), applied to ``x`` (tokens, in)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        quantization: str = "none",
+    ) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.packed = can_prepack(weight)
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 32) if self.packed else weight
+        self.kind = quantization
+        self.scales: torch.Tensor | None = None
+        if quantization == "int8":
+            self.weight, self.scales = _int8(weight)
+        elif quantization == "int4" and self.in_features % INT4_GROUP == 0:
+            self.weight, self.scales = _int4(weight)
+        elif can_prepack(weight):
+            self.kind = "packed"
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+        else:
+            self.kind = "none"
+            self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-                x, self.weight, self.bias, "none", [], ""
-            )
+        out: torch.Tensor
+        if self.kind == "packed":
+            out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
             return out
-        return F.linear(x, self.weight, self.bias)
+        if self.kind == "none":
+            return F.linear(x, self.weight, self.bias)
+        if self.kind == "int8":
+            out = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x, self.weight, INT4_GROUP, self.scales
+            )
+        return out if self.bias is None else out + self.bias
+
+
+def _int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: ``w ~= q * scale``."""
+    wide = weight.float()
+    scales = (wide.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    q = (wide / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scales.to(weight.dtype)
+
+
+def _int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 in groups of ``INT4_GROUP`` inputs: ``w ~= q * scale + minimum``, q in
+    0..15. torch's kernel computes ``(q - 8) * scale + zero``, so ``zero = minimum + 8 * scale``;
+    scales and zeros go in one tensor shaped (in / group, out, 2)."""
+    out_features, in_features = weight.shape
+    groups = weight.float().view(out_features, in_features // INT4_GROUP, INT4_GROUP)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = ((high - low) / 15).clamp(min=1e-12)
+    q = ((groups - low[..., None]) / scales[..., None]).round().clamp(0, 15)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        q.to(torch.int32).view(out_features, in_features), 1
+    )
+    scales_zeros = torch.stack([scales, low + 8 * scales], dim=-1).transpose(0, 1)
+    return packed, scales_zeros.contiguous().to(weight.dtype)

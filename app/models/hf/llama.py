@@ -42,10 +42,18 @@ class Weights:
 
 
 def build_weights(
-    state: dict[str, torch.Tensor], arch: ArchConfig, dtype: torch.dtype, device: torch.device
+    state: dict[str, torch.Tensor],
+    arch: ArchConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str = "none",
 ) -> Weights:
-    """Our weight layout from a checkpoint's state dict (Hugging Face names). Raises
-    ``ModelLoadError`` naming the first missing tensor."""
+    """Our weight layout from a checkpoint's state dict (Hugging Face names), the matrices
+    quantized as ``quantization`` says (``Linear``; the embedding table stays in ``dtype``).
+    Raises ``ModelLoadError`` naming the first missing tensor."""
+
+    def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        return Linear(weight, bias, quantization)
 
     def take(name: str) -> torch.Tensor:
         if name not in state:
@@ -67,11 +75,11 @@ def build_weights(
         layers.append(
             LayerWeights(
                 input_norm=take(f"{p}input_layernorm.weight"),
-                qkv=Linear(torch.cat((q, k, v)), qkv_bias),
-                out=Linear(take(f"{p}self_attn.o_proj.weight"), maybe(f"{p}self_attn.o_proj.bias")),
+                qkv=linear(torch.cat((q, k, v)), qkv_bias),
+                out=linear(take(f"{p}self_attn.o_proj.weight"), maybe(f"{p}self_attn.o_proj.bias")),
                 post_norm=take(f"{p}post_attention_layernorm.weight"),
-                gate_up=Linear(torch.cat((gate, up))),
-                down=Linear(take(f"{p}mlp.down_proj.weight")),
+                gate_up=linear(torch.cat((gate, up))),
+                down=linear(take(f"{p}mlp.down_proj.weight")),
             )
         )
     embed = take("model.embed_tokens.weight")
@@ -79,7 +87,7 @@ def build_weights(
     if head is None and not arch.tie_word_embeddings:
         raise ModelLoadError("checkpoint has no tensor 'lm_head.weight'")
     norm = take("model.norm.weight")
-    return Weights(embed, layers, norm, Linear(embed if head is None else head))
+    return Weights(embed, layers, norm, linear(embed if head is None else head))
 
 
 def _or_zeros(bias: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:

