@@ -124,3 +124,13 @@ async def test_a_non_ascii_digit_rank_header_is_a_400(make_client: ClientFactory
             refused = await client.post(path, json=body, headers={RANK.encode(): b"\xb2"})
             assert refused.status_code == 400, path
             assert refused.json()["error"]["param"] == RANK
+        hello = [{"role": "user", "content": "Hi"}]
+        adapters = (("/v1/responses", {"input": "Hi", "max_output_tokens": 16}),
+                    ("/v1/messages", {"model": "slotserve-mock", "max_tokens": 2,
+                                      "messages": hello}))  # fmt: skip
+        for path, body in adapters:  # (their own error shapes)
+            refused = await client.post(path, json=body, headers={RANK.encode(): b"\xb2"})
+            assert refused.status_code == 400, path
+            assert RANK in refused.text
+            answer = await client.post(path, json=body, headers={RANK: "1"})
+            assert answer.status_code == 200, (path, answer.text)
