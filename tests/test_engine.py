@@ -737,15 +737,20 @@ async def test_sleep_until_returns_at_the_deadline_not_before() -> None:
     await sleep_until(time.monotonic() - 1.0)  # a deadline already past: no wait
 
 
-async def test_a_step_takes_at_least_its_cost_in_real_time() -> None:
+async def test_steps_take_at_least_their_cost_in_real_time() -> None:
+    """The steps together never run faster than their costs add up to. A single step may be
+    shorter than its cost when the one before it ended late (the pacing catches up, so the mean
+    inter-token latency stays right: the documented trade-off), so a loaded machine cannot make
+    this fail; only a clock that runs fast can."""
     costs = StepCosts(step_ms=4, prefill_token_ms=0.5, decode_token_ms=1)
     recorder = StepRecorder()
     async with running(MockModel(NEVER_STOPS), recorder, num_slots=3, step_costs=costs) as engine:
         streams = [engine.submit(seq(f"r{i}", [TAG + i] * (1 + 4 * i), 4)) for i in range(3)]
         await asyncio.gather(*(s.collect() for s in streams))
     assert recorder.steps
-    for started, ended, p, d in recorder.steps:
-        assert ended - started >= (4 + 0.5 * p + d) / 1000 - 1e-3
+    first_start, last_end = recorder.steps[0][0], recorder.steps[-1][1]
+    total_cost = sum((4 + 0.5 * p + d) / 1000 for _, _, p, d in recorder.steps)
+    assert last_end - first_start >= total_cost - 1e-3
 
 
 async def test_step_costs_do_not_change_outputs() -> None:
