@@ -41,7 +41,9 @@ def _add_flag(
     env = f"SLOTSERVE_{name.upper()}"
     kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS}
     choices = _literal_choices(annotation)
-    if typing.get_origin(annotation) is list:
+    if name == "lora_modules":  # vLLM's form: --lora-modules a=PATH b=PATH (repeatable too)
+        kwargs |= {"action": "extend", "nargs": "+"}
+    elif typing.get_origin(annotation) is list:
         kwargs["action"] = "append"
     elif choices:
         kwargs["choices"] = choices
@@ -101,6 +103,10 @@ def check_real_model(settings: Settings) -> None:
     command that installs it), a bad path, an unsupported architecture."""
     from app.models.hf import ModelLoadError, check_spec
 
+    if settings.enable_lora:
+        print("slotserve: error: --enable-lora: LoRA adapters are simulated for the mocks only; "
+              "a real model has no LoRA weights path", file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
     try:
         check_spec(settings.model)
     except ModelLoadError as exc:
@@ -115,6 +121,8 @@ def check_real_model(settings: Settings) -> None:
 def serve(settings: Settings) -> None:
     from app.api.app import create_app
     from app.engine.errors import UnsupportedFeatureError
+    from app.kv_events.publisher import KVEventsError
+    from app.lora import LoRAError
     from app.real_model import named, wants_real_model
     from app.server import run
 
@@ -131,7 +139,12 @@ def serve(settings: Settings) -> None:
     )  # fmt: skip
     try:
         app = create_app(settings)
-    except UnsupportedFeatureError as err:  # e.g. --enable-prefix-caching on a model without it
+    except (
+        UnsupportedFeatureError,
+        KVEventsError,
+        LoRAError,
+    ) as err:  # e.g. prefix caching on a model
+        # without it, a KV-event port in use
         raise SystemExit(f"slotserve: error: {err}") from None
     run(app, settings.host, settings.port, settings.log_level)
 

@@ -41,6 +41,9 @@ class Settings(BaseSettings):
     max_waiting: int = Field(1024, ge=0, description="waiting-queue bound; past it: 429")
     max_model_len: int = Field(8192, ge=2, description="context length: prompt + max_tokens")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request omits it")
+    max_n: int = Field(
+        16, ge=1, description="OpenAI routes: the most choices (n) one request may ask"
+    )
     max_num_batched_tokens: int = Field(
         2048, ge=1, description="token budget per step (decode + prefill); >= --num-slots"
     )
@@ -142,12 +145,71 @@ class Settings(BaseSettings):
     enable_prefix_caching: bool = Field(
         False, description="reuse the KV blocks of prompt prefixes already computed"
     )
+    kv_events_endpoint: str | None = Field(
+        None,
+        description="publish KV-cache events (vLLM's wire format) on this ZeroMQ PUB address, "
+        "e.g. tcp://*:5557 (bound; a host without * is connected to); needs "
+        "--enable-prefix-caching (unset: off)",
+    )
+    kv_events_replay_endpoint: str | None = Field(
+        None, description="ZeroMQ ROUTER address answering replays of missed event batches"
+    )
+    kv_events_topic: str = Field("", description="topic frame of every KV-event message")
+    kv_events_buffer_steps: int = Field(
+        10_000, ge=1, description="KV-event batches kept for replay"
+    )
+    kv_events_queue_size: int = Field(
+        10_000, ge=1, description="KV-event batches queued for sending; past it they are dropped"
+    )
+    kv_events_int_hashes: bool = Field(
+        True, description="KV events carry block hashes as 64-bit integers (else the bytes)"
+    )
+    kv_events_encoding: Literal["array", "map"] = Field(
+        "array",
+        description="KV-event structs as msgpack arrays (vLLM's long-standing layout, "
+        "llm-d, Dynamo) or maps (recent vLLM)",
+    )
+    prefix_caching_hash_algo: Literal["sha256", "sha256_cbor"] = Field(
+        "sha256", description="block hash of KV events, as vLLM's flag (pickle or CBOR + SHA-256)"
+    )
+    prefix_caching_hash_seed: str = Field(
+        "0", description="seed of the first block's parent hash (vLLM's PYTHONHASHSEED)"
+    )
+    enable_lora: bool = Field(False, description="serve LoRA adapters (simulated: the mocks only)")
+    lora_modules: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="LoRA adapters loaded at start, NAME=PATH (repeatable; the variable takes a "
+        "space- or comma-separated list)",
+    )
+    max_loras: int = Field(1, ge=1, description="distinct LoRA adapters in one batch")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="LoRA adapters loaded at once (unset: --max-loras)"
+    )
+    lora_switch_ms: float = Field(
+        0.0, ge=0, description="step clock: ms a step pays per adapter it loads into the batch"
+    )
+    data_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="engines behind this port, each with its own slots, queue, "
+        "prefix cache and step clock (the mocks only)",
+    )
+    enable_sleep_mode: bool = Field(
+        False, description="serve vLLM's POST /sleep, POST /wake_up and GET /is_sleeping"
+    )
+    startup_delay: float = Field(
+        0.0, ge=0, description="seconds /health answers 503 starting after start (readiness)"
+    )
     mock_step_ms: float = Field(0.0, ge=0, description="step clock: ms per step (b0)")
     mock_per_seq_ms: float = Field(0.0, ge=0, description="step clock: ms per decode token (b2)")
     mock_prefill_ms: float = Field(0.0, ge=0, description="step clock: ms per prefill token (b1)")
     mock_jitter: float = Field(0.0, ge=0, le=0.3, description="step latency std-dev / mean")
     mock_stop_probability: float = Field(
         0.01, ge=0, le=1, description="chance per token that the mock ends its output"
+    )
+    mock_tool_call_probability: float = Field(
+        0.0, ge=0, le=1, description="chance that the mock calls a tool under tool_choice auto"
     )
     seed: int = Field(
         0,
@@ -183,6 +245,12 @@ class Settings(BaseSettings):
     allow_fault_headers: bool = Field(
         False, description="honour x-slotserve-fail and x-slotserve-fail-after (tests only)"
     )
+    responses_store_size: int = Field(
+        1000, ge=0, description="/v1/responses: responses kept in memory (0: none)"
+    )
+    responses_store_seconds: float = Field(
+        3600.0, gt=0, description="/v1/responses: seconds a finished response is kept"
+    )
 
     @field_validator("failure_types")
     @classmethod
@@ -205,6 +273,82 @@ class Settings(BaseSettings):
     def priority_limits(self) -> dict[str, int]:
         """``--max-priority-for`` as {key name: best priority it may claim}."""
         return priority_limits(self.max_priority_for)
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _split_modules(cls, value: Any) -> Any:
+        return value.replace(",", " ").split() if isinstance(value, str) else value
+
+    @field_validator("lora_modules", mode="after")
+    @classmethod
+    def _parse_modules(cls, value: list[str]) -> list[str]:
+        from app.lora import parse_module
+
+        names = [parse_module(spec)[0] for spec in value]
+        repeated = {name for name in names if names.count(name) > 1}
+        if repeated:
+            raise ValueError(f"LoRA adapter {sorted(repeated)[0]!r} is named twice")
+        return value
+
+    @model_validator(mode="after")
+    def _lora_bounds(self) -> Self:
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"--max-cpu-loras ({self.max_cpu_loras}) must be >= --max-loras ({self.max_loras})"
+            )
+        if len(self.lora_modules) > (self.max_cpu_loras or self.max_loras):
+            raise ValueError(
+                f"{len(self.lora_modules)} --lora-modules exceed --max-cpu-loras "
+                f"({self.max_cpu_loras or self.max_loras})"
+            )
+        return self
+
+    @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
+    @classmethod
+    def _zmq_endpoint(cls, value: str | None) -> str | None:
+        from app.kv_events.publisher import check_endpoint
+
+        return None if value is None else check_endpoint(value)
+
+    @model_validator(mode="after")
+    def _kv_events_need_the_prefix_cache(self) -> Self:
+        if self.kv_events_endpoint is not None and not self.enable_prefix_caching:
+            raise ValueError(
+                "--kv-events-endpoint needs --enable-prefix-caching (the events are the prefix "
+                "cache's blocks)"
+            )
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        self._kv_event_endpoints_apart()
+        return self
+
+    def _kv_event_endpoints_apart(self) -> None:
+        """Every rank's PUB and replay endpoints (vLLM offsets a tcp port by the rank and
+        suffixes an ipc/inproc name) are distinct from each other and from the HTTP port: two
+        binds on one ipc path let the second take it over silently."""
+        from app.kv_events.publisher import offset_endpoint_port
+
+        ranks = range(self.data_parallel_size)
+        named = [(flag, offset_endpoint_port(endpoint, rank))
+                 for flag, endpoint in (("--kv-events-endpoint", self.kv_events_endpoint),
+                                        ("--kv-events-replay-endpoint",
+                                         self.kv_events_replay_endpoint))
+                 if endpoint is not None for rank in ranks]  # fmt: skip
+        seen: dict[str, str] = {}
+        for flag, endpoint in named:
+            port = int(endpoint.rsplit(":", 1)[1]) if endpoint.startswith("tcp://") else None
+            key = endpoint if port is None else f"port {port}"
+            binds = flag.endswith("replay-endpoint") or "*" in endpoint or "::" in endpoint
+            if port is not None and binds and port == self.port != 0:  # (connect: elsewhere)
+                raise ValueError(f"{flag} {endpoint} takes --port {self.port} (the HTTP port)")
+            if key in seen:
+                raise ValueError(
+                    f"{flag} {endpoint} clashes with {seen[key]} ({key} is used twice: each "
+                    f"data-parallel rank adds its rank to a tcp port, _dp<rank> to a name)"
+                )
+            seen[key] = f"{flag} {endpoint}"
 
     @model_validator(mode="after")
     def _kv_cache_holds_a_block(self) -> Self:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -19,12 +21,20 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
 )
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from app.engine.core import EngineCore
 from app.engine.step import StepOutcome
 from app.engine.types import FinishReason, Sequence
+
+if TYPE_CHECKING:
+    from app.kv_events.publisher import KVEventPublisher
 
 log = logging.getLogger("slotserve.requests")
 disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series: dashboards do not use them
@@ -35,7 +45,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.0
                0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)  # fmt: skip
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 # Every reason ``EngineMetrics.reject`` is called with (app/serving.py).
-REJECT_REASONS = ("queue_full", "duplicate_id", "draining", "engine_dead")
+REJECT_REASONS = ("queue_full", "duplicate_id", "draining", "engine_dead", "not_ready")
 
 
 def export_at_zero(metric: Counter | Histogram, *label_values: Seq[str]) -> None:
@@ -85,6 +95,76 @@ class ObserverErrors(Collector):
         )  # fmt: skip
         family.add_metric(list(self.labels.values()), sum(self.core.observer_errors.values()))
         yield family
+
+
+class LoRAInfo(Collector):
+    """``vllm:lora_requests_info`` as vLLM exports it: one series whose labels name the LoRA
+    adapters of the running and of the waiting requests (comma lists, sorted) and
+    ``max_lora``, and whose value is the time it was read (routers keep the newest)."""
+
+    def __init__(self, core: EngineCore, max_loras: int) -> None:
+        self.core, self.max_loras = core, max_loras
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        scheduler = self.core.scheduler
+        running = {s.lora for s in scheduler.slots.running() if s.lora is not None}
+        waiting = {s.lora for s in scheduler.waiting if s.lora is not None}
+        family = GaugeMetricFamily(
+            "vllm:lora_requests_info", "Running stats on lora requests.",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        )  # fmt: skip
+        labels = [str(self.max_loras), ",".join(sorted(waiting)), ",".join(sorted(running))]
+        family.add_metric(labels, time.time())
+        yield family
+
+
+class KVEventCounters(Collector):
+    """``slotserve:kv_events_batches_total``: KV-event batches by outcome (``published``;
+    ``dropped``: the send queue was full; ``failed``: the send raised), read from the
+    publisher."""
+
+    def __init__(self, publisher: KVEventPublisher, labels: dict[str, str]) -> None:
+        self.publisher, self.labels = publisher, labels
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "slotserve:kv_events_batches", "KV-event batches by outcome.",
+            labels=[*self.labels, "outcome"],
+        )  # fmt: skip
+        values, pub = list(self.labels.values()), self.publisher
+        for outcome, count in (("published", pub.published), ("dropped", pub.dropped),
+                               ("failed", pub.errors)):  # fmt: skip
+            family.add_metric([*values, outcome], count)
+        yield family
+
+
+class RankedMetrics(Collector):
+    """The metrics of several data-parallel ranks as one set of families, each sample
+    labelled ``engine="<rank>"`` (vLLM's label for an engine core)."""
+
+    def __init__(self, registries: Seq[CollectorRegistry]) -> None:
+        self.registries = registries
+
+    def collect(self) -> Iterable[Metric]:
+        merged: dict[str, Metric] = {}
+        for rank, registry in enumerate(self.registries):
+            for family in registry.collect():
+                target = merged.get(family.name)
+                if target is None:
+                    target = Metric(family.name, family.documentation, family.type, family.unit)
+                    merged[family.name] = target
+                for sample in family.samples:
+                    labels = {**sample.labels, "engine": str(rank)}
+                    target.add_sample(sample.name, labels, sample.value, sample.timestamp,
+                                      sample.exemplar)  # fmt: skip
+        yield from merged.values()
+
+
+def ranked_registry(ranks: Seq[EngineMetrics]) -> CollectorRegistry:
+    """One registry exporting every rank's metrics (``RankedMetrics``)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RankedMetrics([metrics.registry for metrics in ranks]))
+    return registry
 
 
 class EngineMetrics:
@@ -191,6 +271,14 @@ class EngineMetrics:
         slots = core.scheduler.slots
         self.slots_out_of_service.labels(name).set_function(lambda: len(slots.out_of_service))
         self.registry.register(ObserverErrors(core, {"model_name": name}))
+
+    def watch_loras(self, core: EngineCore, max_loras: int) -> None:
+        """Export ``vllm:lora_requests_info`` read from ``core``."""
+        self.registry.register(LoRAInfo(core, max_loras))
+
+    def watch_kv_events(self, publisher: KVEventPublisher) -> None:
+        """Export ``publisher``'s batch counters."""
+        self.registry.register(KVEventCounters(publisher, {"model_name": self.model_name}))
 
     def reject(self, reason: str, key: str = "") -> None:
         """A request refused before queueing; ``key`` is its API key's name ("" without keys)."""

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
+import random
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from app.config import Settings
 from app.engine.core import EngineConfig
@@ -19,6 +22,7 @@ from app.engine.errors import (
     EngineDrainingError,
     EngineError,
     QueueFullError,
+    UnsupportedFeatureError,
 )
 from app.engine.policies import PolicyConfig, PolicyName
 from app.engine.scheduler import BatchingPolicy
@@ -26,12 +30,18 @@ from app.engine.step_clock import StepCosts
 from app.engine.stop_strings import StopStrings
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
-from app.metrics import EngineMetrics
+from app.lora import LoRARegistry, parse_module
+from app.metrics import EngineMetrics, ranked_registry
 from app.models.cached_mock import CachedMockModel
 from app.models.mock import MockModel
 from app.models.mock_language import MockLanguage
 from app.models.protocol import DEFAULT_SAMPLING, Model, SamplingParams
 from app.models.tokenizer import ByteTokenizer, Tokenizer
+from app.structured.constraint import Constraint, ConstraintError
+from app.structured.grammar import GrammarCompiler
+
+if TYPE_CHECKING:
+    from app.kv_events.publisher import KVEventPublisher
 
 log = logging.getLogger("slotserve.serving")
 
@@ -42,6 +52,18 @@ class ModelLoadingError(EngineError):
 
 class ModelLoadFailedError(ModelLoadingError):
     """The real model failed to load: nothing will be served (retrying does not help)."""
+
+
+class NotReadyError(EngineError):
+    """The server does not take generation now: asleep (``POST /sleep``) or within
+    ``--startup-delay``. ``code`` names which (``sleeping``, ``starting``)."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+SLEEP_PARTS = frozenset({"weights", "kv_cache"})  # what vLLM's /wake_up?tags= may name
 
 
 class InvalidRequestError(ValueError):
@@ -68,14 +90,21 @@ class GenerationParams:
     request_id: str | None = None
     priority: int = 0
     sampling: SamplingParams = DEFAULT_SAMPLING
+    bad_words: list[str] = field(default_factory=list)  # text: tokenized into sampling here
     user: str | None = None  # the request's own user field
     # The named API key the request authenticated with (None: no named keys). When set, it is
     # the request's user for --policy fair (a client cannot override it) and
     # --max-priority-for bounds its priority.
     key_name: str | None = None
+    # What the output must match (structured outputs, a tool call), and the request field that
+    # set it (named in the 400 if it does not compile).
+    constraint: Constraint | None = None
+    constraint_param: str = "response_format"
+    lora: str | None = None  # the LoRA adapter the request names (None: the base model)
 
 
 REJECTION_REASONS: dict[type[EngineError], str] = {
+    NotReadyError: "not_ready",
     QueueFullError: "queue_full",
     DuplicateRequestError: "duplicate_id",
     EngineDrainingError: "draining",
@@ -130,6 +159,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         prefill_token_ms=settings.mock_prefill_ms,
         decode_token_ms=settings.mock_per_seq_ms,
         jitter=settings.mock_jitter,
+        lora_load_ms=settings.lora_switch_ms if settings.enable_lora else 0.0,
     )
     return EngineConfig(
         num_slots=settings.num_slots,
@@ -142,9 +172,33 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_model_len=settings.max_model_len,
         scheduling=policy_config(settings),
         enable_prefix_caching=settings.enable_prefix_caching,
+        kv_events=settings.kv_events_endpoint is not None,
+        max_loras=settings.max_loras if settings.enable_lora else None,
         step_costs=costs,
         seed=settings.seed,
     )
+
+
+def kv_event_publisher(settings: Settings, rank: int = 0) -> KVEventPublisher | None:
+    """The KV-event publisher ``--kv-events-endpoint`` asks for (None: off); its sockets are
+    open on return (``KVEventsError`` if they cannot be)."""
+    if settings.kv_events_endpoint is None:
+        return None
+    from app.kv_events.publisher import KVEventPublisher, KVEventsConfig
+
+    config = KVEventsConfig(
+        endpoint=settings.kv_events_endpoint,
+        replay_endpoint=settings.kv_events_replay_endpoint,
+        topic=settings.kv_events_topic,
+        buffer_steps=settings.kv_events_buffer_steps,
+        max_queue_size=settings.kv_events_queue_size,
+        block_size=settings.block_size,
+        hash_algo=settings.prefix_caching_hash_algo,
+        hash_seed=settings.prefix_caching_hash_seed,
+        int_hashes=settings.kv_events_int_hashes,
+        encoding=settings.kv_events_encoding,
+    )
+    return KVEventPublisher(config, rank)
 
 
 class Serving:
@@ -164,17 +218,66 @@ class Serving:
         self.priority_limits = settings.priority_limits()
         self.api_keys = settings.api_keys()
         self.load_error: str | None = None
+        self._tool_draws = random.Random(settings.seed)  # --mock-tool-call-probability
         self._loading: asyncio.Task[None] | None = None
-        self._engine: Engine | None = None
+        self._engine: Engine | None = None  # rank 0's (the only one without data parallelism)
+        self.engines: list[Engine] = []  # one per data-parallel rank, once installed
         self._tokenizer: Tokenizer | None = None
-        if not self._real:
-            self._install(model if model is not None else build_model(settings), ByteTokenizer())
+        self._grammars: GrammarCompiler | None = None
+        self.asleep: frozenset[str] = frozenset()  # the parts still asleep (see ``sleep``)
+        self.sleep_level = 0
+        self._ready_at = 0.0  # monotonic time --startup-delay ends (set by ``start``)
+        self.loras = LoRARegistry(
+            self.settings.model_name, settings.max_cpu_loras or settings.max_loras
+        )
+        for spec in settings.lora_modules if settings.enable_lora else ():
+            self.loras.load(*parse_module(spec))  # LoRAError: refused at start
+        ranks = settings.data_parallel_size
+        if ranks > 1 and (model is not None or self._real):
+            raise UnsupportedFeatureError(
+                "--data-parallel-size > 1 runs one built-in mock per rank (not a given or real "
+                "model)"
+            )
+        # per rank: its metrics (labelled engine=<rank> on /metrics) and KV-event publisher
+        self.rank_metrics = [self.metrics] + [
+            EngineMetrics(self.settings.model_name, self.settings.num_slots, self.settings.profile)
+            for _ in range(1, ranks)
+        ]
+        self.metrics_registry = (
+            self.metrics.registry if ranks == 1 else ranked_registry(self.rank_metrics)
+        )
+        self.rank_events: list[KVEventPublisher | None] = []
+        try:
+            for rank, metrics in enumerate(self.rank_metrics):
+                publisher = kv_event_publisher(self.settings, rank)
+                self.rank_events.append(publisher)
+                if publisher is not None:
+                    metrics.watch_kv_events(publisher)
+            self.kv_events = self.rank_events[0]
+            if not self._real:
+                model = model if model is not None else build_model(settings)
+                self._install(model, ByteTokenizer())
+        except Exception:  # refused at start: no publisher thread is left behind
+            for opened in self.rank_events:
+                if opened is not None:
+                    opened.close()
+            raise
 
-    def _install(self, model: Model, tokenizer: Tokenizer) -> None:
+    def _install(
+        self, model: Model, tokenizer: Tokenizer, grammars: GrammarCompiler | None = None
+    ) -> None:
         self.model = model
         self._tokenizer = tokenizer
-        self._engine = Engine(model, engine_config(self.settings), observer=self.metrics)
-        self.metrics.bind(self._engine.core)
+        self._grammars = grammars or GrammarCompiler(tokenizer)
+        config = engine_config(self.settings)
+        for rank, metrics in enumerate(self.rank_metrics):
+            rank_model = model if rank == 0 else build_model(self.settings)
+            engine = Engine(rank_model, config, observer=metrics, kv_events=self.rank_events[rank])
+            metrics.bind(engine.core)
+            if self.settings.enable_lora:
+                metrics.watch_loras(engine.core, self.settings.max_loras)
+            self.engines.append(engine)
+        self._engine = self.engines[0]
 
     @property
     def engine(self) -> Engine:
@@ -182,6 +285,14 @@ class Serving:
         if self._engine is None:
             raise self._not_loaded()
         return self._engine
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler for the model's vocabulary; ``ModelLoadingError`` while a real
+        model loads."""
+        if self._grammars is None:
+            raise self._not_loaded()
+        return self._grammars
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -194,6 +305,23 @@ class Serving:
         if self.load_error is not None:
             return ModelLoadFailedError(f"the model failed to load: {self.load_error}")
         return ModelLoadingError(f"the model {self.settings.model_name!r} is loading")
+
+    async def precompile(self, constraint: Constraint | None, param: str) -> None:
+        """Compile ``constraint`` on a worker thread (a large schema takes a while: never on the
+        event loop), so ``prepare`` finds it compiled; ``InvalidRequestError`` naming ``param``
+        if it does not compile."""
+        if constraint is None:
+            return
+        try:
+            await asyncio.to_thread(self.grammars.matcher, constraint)
+        except ConstraintError as err:
+            raise InvalidRequestError(f"{param}: {err}", param, "invalid_grammar") from None
+
+    def mock_calls_tool(self) -> bool:
+        """Whether a mock decides to call a tool for a request whose ``tool_choice`` is ``auto``
+        (with ``--mock-tool-call-probability``); a real model decides by itself (False)."""
+        p = self.settings.mock_tool_call_probability
+        return not self._real and p > 0 and self._tool_draws.random() < p
 
     def priority_ignored(self, priority: int) -> bool:
         """Whether a request's ``priority`` has no effect here (a non-default priority under a
@@ -211,24 +339,30 @@ class Serving:
     @property
     def state(self) -> str:
         """``ok``, or why the server does not serve: ``loading`` (a real model), ``load_failed``,
-        ``draining``, ``engine_dead``, or ``no_slot`` (every slot is out of service: the model
-        cannot reset any)."""
-        engine = self._engine
-        if engine is None:
+        ``draining``, ``engine_dead``, ``sleeping`` (``POST /sleep``), ``starting`` (within
+        ``--startup-delay``), or ``no_slot`` (every slot is out of service: the model cannot
+        reset any)."""
+        if self._engine is None:
             return "loading" if self.load_error is None else "load_failed"
-        if engine.draining:
+        if any(engine.draining for engine in self.engines):
             return "draining"
-        if not engine.alive:
+        if not all(engine.alive for engine in self.engines):
             return "engine_dead"
-        table = engine.core.scheduler.slots
-        return "no_slot" if len(table.out_of_service) == table.capacity else "ok"
+        if self.asleep:
+            return "sleeping"
+        if time.monotonic() < self._ready_at:
+            return "starting"
+        tables = [engine.core.scheduler.slots for engine in self.engines]
+        return "no_slot" if all(len(t.out_of_service) == t.capacity for t in tables) else "ok"
 
     async def start(self) -> None:
         """Start the engine; with a real model, start loading it and return at once."""
+        self._ready_at = time.monotonic() + self.settings.startup_delay
         if self._real:
             self._loading = asyncio.create_task(self._load_and_start(), name="slotserve-load")
         else:
-            await self.engine.start()
+            for engine in self.engines:
+                await engine.start()
 
     async def _load_and_start(self) -> None:
         from app.models.hf import ModelLoadError
@@ -245,7 +379,13 @@ class Serving:
             log.exception("model %s not loaded", self.settings.model)
             return
         self.settings = sized(self.settings, loaded)
-        self._install(loaded.model, loaded.tokenizer)
+        try:  # the grammar engine's vocabulary: ~1 s for a 49k vocabulary, off the event loop
+            grammars = await asyncio.to_thread(GrammarCompiler, loaded.tokenizer)
+        except Exception as exc:
+            self.load_error = f"the grammar engine cannot read the tokenizer: {exc!r}"
+            log.exception("model %s not loaded", self.settings.model)
+            return
+        self._install(loaded.model, loaded.tokenizer, grammars)
         await self.engine.start()
         log.info("model %s ready", self.settings.model_name)
 
@@ -257,8 +397,10 @@ class Serving:
     async def stop(self, grace: float = 0.0) -> None:
         if self._loading is not None and not self._loading.done():
             self._loading.cancel()
-        if self._engine is not None:
-            await self._engine.stop(grace)
+        await asyncio.gather(*(engine.stop(grace) for engine in self.engines))
+        for publisher in self.rank_events:
+            if publisher is not None:
+                await asyncio.to_thread(publisher.close)
 
     def submit(self, params: GenerationParams, id_prefix: str = "gen") -> RequestStream:
         """Validate ``params`` against the model and queue the request: ``prepare`` then
@@ -270,38 +412,116 @@ class Serving:
         KV capacity); ``InvalidRequestError`` if it cannot run. Nothing is queued yet."""
         return self._sequence(params, id_prefix)
 
-    def enqueue(self, seq: Sequence) -> RequestStream:
-        """Queue a prepared sequence. The engine's refusal (``QueueFullError``,
-        ``DuplicateRequestError``, ``EngineDrainingError``, ``EngineDeadError``) is counted and
-        raised; the API layer turns it into its HTTP answer."""
+    def enqueue(self, seq: Sequence, rank: int | None = None) -> RequestStream:
+        """Queue a prepared sequence on data-parallel rank ``rank`` (None: the least loaded).
+        The engine's refusal (``QueueFullError``, ``DuplicateRequestError``,
+        ``EngineDrainingError``, ``EngineDeadError``) or the server's (``NotReadyError``:
+        asleep, starting) is counted and raised; the API layer turns it into its HTTP answer."""
         key = (seq.user or "") if self.api_keys.enabled else ""  # a label: key names only
         try:
-            stream = self.engine.submit(seq)
+            self._check_awake()
+            engine = self.engine if rank is None and len(self.engines) == 1 else self._pick(rank)
+            if len(self.engines) > 1 and self._rank_of(seq.request_id) is not None:
+                raise DuplicateRequestError(f"request id {seq.request_id!r} is already in use")
+            stream = engine.submit(seq)
         except EngineError as err:
             self.metrics.reject(REJECTION_REASONS.get(type(err), "engine_dead"), key)
             raise
-        self.metrics.attribute(stream.request_id, key)
+        self.rank_metrics[self.engines.index(engine)].attribute(stream.request_id, key)
         return stream
+
+    def _pick(self, rank: int | None) -> Engine:
+        """Rank ``rank``'s engine, or the least loaded one (fewest live requests; ties: the
+        lowest rank). ``rank`` must be in range (the API checks the header)."""
+        engines = self.engines or [self.engine]
+        if rank is not None:
+            return engines[rank]
+        return min(engines, key=lambda engine: len(engine.core.live))
+
+    def _live(self, request_id: str) -> RequestStream | None:
+        """The stream of the live request ``request_id``, on whichever rank holds it."""
+        rank = self._rank_of(request_id) if len(self.engines) > 1 else 0
+        return None if rank is None else self.engines[rank].core.live.get(request_id)
+
+    def _rank_of(self, request_id: str) -> int | None:
+        """The rank whose engine holds the live request ``request_id``."""
+        return next((r for r, e in enumerate(self.engines) if request_id in e.core.live), None)
+
+    def adapter(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model, or unset);
+        ``LookupError`` if it names neither."""
+        if model is None or model == self.settings.model_name:
+            return None
+        if self.settings.enable_lora and model in self.loras.adapters:
+            return model
+        raise LookupError(model)
+
+    def _check_awake(self) -> None:
+        if self.asleep:
+            raise NotReadyError(
+                f"the server is asleep (level {self.sleep_level}): POST /wake_up first", "sleeping"
+            )
+        if time.monotonic() < self._ready_at:
+            raise NotReadyError("the server is starting (--startup-delay)", "starting")
+
+    async def sleep(self, level: int) -> None:
+        """vLLM's sleep mode: from now on generation is refused (503 ``sleeping``), requests in
+        flight end with ``abort``, and once the engine is idle the prefix cache is emptied
+        (level 1 offloads the weights and discards the KV cache, level 2 discards both: the
+        mocks have no weights, so both levels do the same here and only the level is kept)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        self.engine  # noqa: B018 (ModelLoadingError while a real model loads)
+        self.asleep, self.sleep_level = SLEEP_PARTS, level
+        for engine in self.engines:
+            for request_id in list(engine.core.live):
+                engine.abort(request_id)
+        for engine in self.engines:
+            await engine.wait_idle()
+            await engine.reset_prefix_cache()
+        log.info("asleep (level %d)", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake ``tags`` (``weights``, ``kv_cache``; None: everything) up; the server serves
+        again once nothing is asleep."""
+        unknown = set(tags or ()) - SLEEP_PARTS
+        if unknown:
+            raise ValueError(f"unknown wake-up tag {sorted(unknown)[0]!r}: weights or kv_cache")
+        self.asleep = frozenset() if tags is None else self.asleep - set(tags)
+        if not self.asleep:
+            self.sleep_level = 0
+            log.info("awake")
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """End a live request early with ``reason`` (``abort``; failure injection uses
         ``error``); its stream ends and its slot is free before the next model call. False if
         no live request has this id."""
-        return self.engine.abort(request_id, reason)
+        if len(self.engines) <= 1:
+            return self.engine.abort(request_id, reason)
+        rank = self._rank_of(request_id)
+        return rank is not None and self.engines[rank].abort(request_id, reason)
 
     async def cancel(self, request_id: str) -> bool:
         """Abort a live request and wait (at most ``CANCEL_TIMEOUT``) until the engine has
         applied it, so its id is free again on return. False if no live request has this id."""
-        stream = self.engine.core.live.get(request_id)
+        stream = self._live(request_id)
         if stream is None or not self.abort(request_id):
             return False
+        streams = [stream]
+        for i in range(1, self.settings.max_n):  # the other choices of an n > 1 request
+            sibling = self._live(f"{request_id}~{i}")
+            if sibling is None:
+                continue
+            self.abort(sibling.request_id)
+            streams.append(sibling)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stream.ended(), CANCEL_TIMEOUT)
+            await asyncio.wait_for(asyncio.gather(*(s.ended() for s in streams)), CANCEL_TIMEOUT)
         return True
 
-    def slots(self) -> list[dict[str, object]]:
-        """The slot table now, one entry per slot (like llama.cpp's ``/slots``)."""
-        scheduler, now = self.engine.core.scheduler, time.monotonic()
+    def slots(self, rank: int = 0) -> list[dict[str, object]]:
+        """Rank ``rank``'s slot table now, one entry per slot (like llama.cpp's ``/slots``)."""
+        engine = self.engine if rank == 0 else self.engines[rank]
+        scheduler, now = engine.core.scheduler, time.monotonic()
         table, scheduling = scheduler.slots, scheduler.scheduling
         out_of_service = table.out_of_service
         out: list[dict[str, object]] = []
@@ -335,22 +555,61 @@ class Serving:
             raise InvalidRequestError("prompt must not be empty", "prompt", "empty_prompt")
         self._check_vocabulary(params.prompt, "prompt")
         self._check_vocabulary(params.stop_token_ids, "stop_token_ids")
+        sampling = self._sampling(params)
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(self.tokenizer.stop_token_ids)
         text_stop = None
         if params.stop_strings:
-            text_stop = StopStrings(params.stop_strings, self.tokenizer.stream_decoder())
+            decoder = self.tokenizer.stream_decoder()
+            text_stop = StopStrings(params.stop_strings, decoder, sampling.min_tokens)
+        max_tokens = self._max_tokens(len(params.prompt), params.max_tokens)
+        if sampling.min_tokens > max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({sampling.min_tokens}) exceeds max_tokens ({max_tokens})",
+                "min_tokens", "invalid_value",
+            )  # fmt: skip
+        constraint = None
+        if params.constraint is not None:
+            try:
+                constraint = self.grammars.matcher(params.constraint)
+            except ConstraintError as err:
+                raise InvalidRequestError(
+                    f"{params.constraint_param}: {err}", params.constraint_param, "invalid_grammar"
+                ) from None
         return Sequence(
             request_id=params.request_id or f"{id_prefix}-{uuid.uuid4().hex}",
             tokens=list(params.prompt),
-            max_tokens=self._max_tokens(len(params.prompt), params.max_tokens),
+            max_tokens=max_tokens,
             stop_token_ids=_shared_stop_set(tuple(sorted(stops))),
             priority=self._priority(params),
-            sampling=params.sampling,
+            sampling=sampling,
             stop=text_stop,
+            constraint=constraint,
             user=params.key_name if params.key_name is not None else params.user,
+            lora=params.lora,
         )
+
+    def _sampling(self, params: GenerationParams) -> SamplingParams:
+        """The request's sampling parameters, checked against the vocabulary and the model,
+        with its ``bad_words`` tokenized (each alone and after a space, as vLLM does)."""
+        sampling = params.sampling
+        if sampling.plain and not params.bad_words:
+            return sampling
+        self._check_vocabulary([token for token, _ in sampling.logit_bias], "logit_bias")
+        self._check_vocabulary(list(sampling.allowed_token_ids or ()), "allowed_token_ids")
+        if params.bad_words:
+            encode = self.tokenizer.encode
+            words = {tuple(ids) for w in params.bad_words for ids in (encode(w), encode(" " + w))}
+            sampling = dataclasses.replace(sampling, bad_words=tuple(w for w in words if w))
+        if not supports_sampling(self.model):
+            raise InvalidRequestError(
+                "this model cannot honour logits processors or log probabilities (it has no "
+                "step_sampled / next_tokens_for)",
+                "logprobs" if sampling.logprobs is not None else "logit_bias",
+                "unsupported_parameter",
+            )  # fmt: skip
+        return sampling
 
     def _priority(self, params: GenerationParams) -> int:
         """The request's priority. ``--max-priority-for``: a named key may not claim a better
@@ -393,6 +652,11 @@ class Serving:
         if room < 0 or max_tokens > room:
             raise context_length_error(prompt_len, max_tokens, context)
         return max_tokens
+
+
+def supports_sampling(model: object) -> bool:
+    """Whether ``model`` honours per-request logits processors and log probabilities."""
+    return callable(getattr(model, "step_sampled", getattr(model, "next_tokens_for", None)))
 
 
 @functools.lru_cache(maxsize=256)

@@ -40,10 +40,17 @@ class RecordingClock(StepClock):
         self.previous: list[float | None] = []
 
     def paced_deadline(
-        self, started_at: float, prefill_tokens: int, decode_tokens: int, previous: float | None
+        self,
+        started_at: float,
+        prefill_tokens: int,
+        decode_tokens: int,
+        previous: float | None,
+        lora_loads: int = 0,
     ) -> float:
         self.previous.append(previous)
-        return super().paced_deadline(started_at, prefill_tokens, decode_tokens, previous)
+        return super().paced_deadline(
+            started_at, prefill_tokens, decode_tokens, previous, lora_loads
+        )
 
 
 async def test_the_engine_paces_back_to_back_steps_and_restarts_after_idle() -> None:

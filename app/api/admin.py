@@ -32,16 +32,23 @@ async def health(serving: ServingDep) -> Response:
 @router.get("/metrics")
 async def metrics(serving: ServingDep) -> Response:
     """Prometheus text format, vLLM metric names (``vllm:*``) plus ``slotserve:*``."""
-    return Response(generate_latest(serving.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(serving.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/slots")
 async def slots(serving: ServingDep) -> dict[str, Any]:
     """The slot table now: per slot its request, tokens generated, max_tokens and age."""
     engine = serving.engine
-    return {
+    table: dict[str, Any] = {
         "num_slots": engine.config.num_slots,
         "running": engine.core.num_running,
         "waiting": engine.core.num_waiting,
         "slots": serving.slots(),
     }
+    if len(serving.engines) > 1:  # --data-parallel-size: the above is rank 0's; every rank's
+        table["ranks"] = [
+            {"rank": rank, "num_slots": e.config.num_slots, "running": e.core.num_running,
+             "waiting": e.core.num_waiting, "slots": serving.slots(rank)}
+            for rank, e in enumerate(serving.engines)
+        ]  # fmt: skip
+    return table

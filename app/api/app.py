@@ -10,7 +10,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from sse_starlette.sse import AppStatus
 
-from app.api import admin, native, openai_compat
+from app.api import admin, lora, native, openai_compat, sleep, tokenize
+from app.api.adapters import anthropic, responses
+from app.api.adapters.anthropic_errors import AnthropicErrors
+from app.api.adapters.responses_store import ResponseStore
 from app.api.auth import ApiKeyAuth
 from app.api.errors import install_error_handlers
 from app.api.faults import FaultInjector
@@ -45,14 +48,25 @@ def create_app(settings: Settings | None = None, model: Model | None = None) -> 
     )
     app.state.serving = serving
     app.state.faults = FaultInjector(settings, serving.metrics)
+    app.state.responses = ResponseStore(
+        settings.responses_store_size, settings.responses_store_seconds
+    )
     install_error_handlers(app)
     app.add_exception_handler(ClientGone, _client_gone)
     app.include_router(native.router)
     app.include_router(openai_compat.router)
     app.include_router(admin.router)
+    app.include_router(tokenize.router)
+    app.include_router(anthropic.router)
+    app.include_router(responses.router)
+    if settings.enable_sleep_mode:
+        app.include_router(sleep.router)
+    if settings.enable_lora:
+        app.include_router(lora.router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     if serving.api_keys.enabled:  # outermost: before the body is read or parsed
         app.add_middleware(ApiKeyAuth, keys=serving.api_keys)
+    app.add_middleware(AnthropicErrors)  # outermost: reshapes even a 401 on /v1/messages
     return app
 
 

@@ -20,7 +20,8 @@ STATE_KEY = "api_key_name"
 
 
 class ApiKeyAuth:
-    """Answers 401 unless ``Authorization: Bearer <key>`` names one of ``keys``."""
+    """Answers 401 unless ``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``)
+    names one of ``keys``."""
 
     def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
         self.app = app
@@ -30,7 +31,7 @@ class ApiKeyAuth:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        name = self.keys.match(bearer_token(scope))
+        name = self.keys.match(request_key(scope))
         if name is None:  # the same answer an injected invalid_api_key gives (app/api/faults.py)
             await response_for(invalid_api_key())(scope, receive, send)
             return
@@ -44,4 +45,16 @@ def bearer_token(scope: Scope) -> bytes:
         if name == b"authorization":
             scheme, _, token = value.partition(b" ")
             return token.strip() if scheme.lower() == b"bearer" else b""
+    return b""
+
+
+def request_key(scope: Scope) -> bytes:
+    """The key a request presents: ``Authorization: Bearer`` (OpenAI's clients), else
+    ``x-api-key`` (Anthropic's), else b"". Both are checked against the same named keys."""
+    token = bearer_token(scope)
+    if token:
+        return token
+    for name, value in scope["headers"]:
+        if name == b"x-api-key":
+            return bytes(value.strip())
     return b""

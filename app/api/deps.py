@@ -1,5 +1,6 @@
 """Dependencies: the serving context and the authenticated API key's name. Both are async, so
-FastAPI runs them on the event loop instead of sending each request through its thread pool."""
+FastAPI runs them on the event loop instead of sending each request through its thread pool.
+Also the generation routes' reading of the ``x-data-parallel-rank`` header."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from app.api.auth import STATE_KEY
+from app.api.errors import APIError
 from app.serving import Serving
 
 
@@ -21,6 +23,24 @@ async def get_key_name(request: Request) -> str | None:
     when the server has no keys."""
     name: str | None = getattr(request.state, STATE_KEY, None)
     return name
+
+
+RANK_HEADER = "x-data-parallel-rank"
+
+
+def data_parallel_rank(request: Request, serving: Serving) -> int | None:
+    """The rank the ``x-data-parallel-rank`` header names (None: absent, the least loaded
+    rank serves); 400 unless it is an integer in [0, --data-parallel-size) written in ASCII
+    digits (``str.isdigit`` also takes digits ``int`` refuses, such as ``²``)."""
+    value = request.headers.get(RANK_HEADER)
+    if value is None:
+        return None
+    ranks, text = serving.settings.data_parallel_size, value.strip()
+    rank = int(text) if text.isascii() and text.isdigit() else -1
+    if not 0 <= rank < ranks:
+        raise APIError(400, f"{RANK_HEADER} must be an integer in [0, {ranks}), got {value!r}",
+                       param=RANK_HEADER, code="invalid_data_parallel_rank")  # fmt: skip
+    return rank
 
 
 ServingDep = Annotated[Serving, Depends(get_serving)]

@@ -26,6 +26,7 @@ from app.serving import (
     InvalidRequestError,
     ModelLoadFailedError,
     ModelLoadingError,
+    NotReadyError,
     context_length_error,
 )
 
@@ -193,13 +194,15 @@ def refusal(err: EngineError) -> APIError:
         return APIError(503, str(err), "service_unavailable", code="load_failed")
     if isinstance(err, ModelLoadingError):
         return APIError(503, str(err), "service_unavailable", code="loading", headers=retry)
+    if isinstance(err, NotReadyError):  # asleep, or within --startup-delay
+        return APIError(503, str(err), "service_unavailable", code=err.code, headers=retry)
     code = "draining" if isinstance(err, EngineDrainingError) else "engine_dead"
     return APIError(503, str(err), "service_unavailable", code=code, headers=retry)
 
 
 def invalid_api_key() -> APIError:
-    """401 for a missing or wrong ``Authorization: Bearer <key>``."""
-    return APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+    """401 for a missing or wrong ``Authorization: Bearer <key>`` (or ``x-api-key``)."""
+    return APIError(401, "missing or invalid API key (Authorization: Bearer <key> or x-api-key)",
                     "authentication_error", code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
 

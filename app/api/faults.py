@@ -91,15 +91,17 @@ class FaultInjector:
         streaming: bool,
         id_prefix: str,
         model: str | None,
+        rank: int | None = None,
     ) -> RequestStream:
         """``serving.submit(params)``, unless a failure is injected (see the module's contract).
-        ``model`` is the model the request named, if any (for ``model_not_found``)."""
+        ``model`` is the model the request named, if any (for ``model_not_found``); ``rank``
+        the data-parallel rank the request asked for (None: the least loaded)."""
         forced, after = self._headers(request.scope["headers"])
         seq = serving.prepare(params, id_prefix)
         failure = forced or self.draw_failure()
         if failure is not None:
             return self._inject(failure, seq, serving.settings, model)
-        stream = serving.enqueue(seq)
+        stream = serving.enqueue(seq, rank)
         if after is None:
             after = self._draw_break(seq) if streaming else None
         if after is None:
@@ -224,7 +226,8 @@ class BreakingStream(RequestStream):
             self._left = BROKEN
             self._cut()
             if shown:
-                return Delta(shown)
+                logprobs = None if delta.logprobs is None else delta.logprobs[: len(shown)]
+                return Delta(shown, logprobs=logprobs)
 
 
 def submit(
@@ -235,9 +238,10 @@ def submit(
     streaming: bool,
     id_prefix: str = "gen",
     model: str | None = None,
+    rank: int | None = None,
 ) -> RequestStream:
     """``FaultInjector.submit`` with the app's injector (``app.state.faults``)."""
     injector: FaultInjector = request.app.state.faults
     return injector.submit(
-        request, serving, params, streaming=streaming, id_prefix=id_prefix, model=model
+        request, serving, params, streaming=streaming, id_prefix=id_prefix, model=model, rank=rank
     )

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from app.api import faults
-from app.api.deps import KeyNameDep, ServingDep
+from app.api.deps import KeyNameDep, ServingDep, data_parallel_rank
 from app.api.errors import APIError, error_body, model_failed_message
 from app.api.schemas import GenerateRequest
 from app.api.streaming import sse_event, sse_response, until_disconnected
@@ -45,10 +45,12 @@ async def generate(
         request_id=body.request_id,
         priority=body.priority,
         sampling=body.sampling(),
+        bad_words=body.bad_words or [],
         user=key_name if key_name is not None else body.user,
         key_name=key_name,
     )
-    stream = faults.submit(request, serving, params, streaming=body.stream)
+    rank = data_parallel_rank(request, serving)
+    stream = faults.submit(request, serving, params, streaming=body.stream, rank=rank)
     if body.stream:
         response: Response = sse_response(native_events(stream, serving), stream, serving)
         return flag_ignored_priority(response, serving, body.priority)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -11,15 +13,20 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from app.api import faults
-from app.api.deps import KeyNameDep, ServingDep
+from app.api.deps import KeyNameDep, ServingDep, data_parallel_rank
 from app.api.errors import APIError, error_body, model_failed_message, model_not_found
+from app.api.logprobs import CompletionLogprobs, TokenText, chat_content, prompt_logprobs
 from app.api.native import ERROR_RESPONSES, flag_ignored_priority
 from app.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIParams
 from app.api.streaming import sse_event, sse_response, until_disconnected
+from app.api.structured import requested_constraint
+from app.api.tools import ToolDeltas, ToolPlan, chat_prompt, tool_plan, whole_message
 from app.engine.stop_strings import StopStringMatcher
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason
+from app.models.protocol import Logprobs
 from app.serving import GenerationParams, Serving
+from app.structured.constraint import Constraint
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 DONE = b"data: [DONE]\n\n"
@@ -36,7 +43,12 @@ async def list_models(serving: ServingDep) -> dict[str, Any]:
         "max_model_len": serving.settings.max_model_len,
         "profile": serving.settings.profile,  # the GPU the step clock imitates (null: none)
     }
-    return {"object": "list", "data": [model]}
+    adapters = [
+        {"id": a.name, "object": "model", "created": int(serving.started_at),
+         "owned_by": "slotserve", "root": a.path, "parent": a.parent}
+        for a in serving.loras.adapters.values()
+    ]  # fmt: skip
+    return {"object": "list", "data": [model, *adapters]}
 
 
 @router.post("/completions", responses=ERROR_RESPONSES)
@@ -45,8 +57,10 @@ async def completions(
 ) -> Response:
     ids = completion_prompt_ids(body, serving)
     max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
-    run = _start(request, serving, body, ids, max_tokens, "cmpl", key_name)
-    shape = CompletionShape(run.id, serving.settings.model_name)
+    constraint = requested_constraint(body.response_format, body.structured_outputs)
+    await serving.precompile(*constraint)
+    run = _start(request, serving, body, ids, max_tokens, "cmpl", key_name, constraint)
+    shape = CompletionShape(run.id, body.model or serving.settings.model_name, run, bool(body.echo))
     response = await _respond(run, body, request, serving, shape)
     return flag_ignored_priority(response, serving, body.priority)
 
@@ -55,15 +69,40 @@ async def completions(
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, serving: ServingDep, key_name: KeyNameDep
 ) -> Response:
-    ids = serving.tokenizer.chat_prompt([(m.role, m.text()) for m in body.messages])
+    plan = tool_plan(body, serving)
+    ids = chat_prompt(body.messages, plan, serving)
+    constraint = _tool_constraint(body, plan)
     # max_completion_tokens replaces the deprecated max_tokens; it wins when both are set
     max_tokens = (
         body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
     )
-    run = _start(request, serving, body, ids, max_tokens, "chatcmpl", key_name)
-    shape = ChatShape(run.id, serving.settings.model_name)
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs",
+                       code="invalid_value")  # fmt: skip
+    if constraint is None:
+        constraint = requested_constraint(body.response_format, body.structured_outputs)
+    await serving.precompile(*constraint)
+    run = _start(request, serving, body, ids, max_tokens, "chatcmpl", key_name, constraint)
+    name = body.model or serving.settings.model_name
+    shape = ChatShape(run.id, name, run) if plan is None else ToolChatShape(run.id, name, run, plan)
     response = await _respond(run, body, request, serving, shape)
     return flag_ignored_priority(response, serving, body.priority)
+
+
+def _tool_constraint(
+    body: ChatCompletionRequest, plan: ToolPlan | None
+) -> tuple[Constraint | None, str] | None:
+    """The grammar of a ``required`` or named tool choice, which ``response_format`` and
+    ``structured_outputs`` cannot be combined with (None: the request's own, if any)."""
+    constraint = plan.constraint() if plan is not None else None
+    if constraint is None:
+        return None
+    for field in ("response_format", "structured_outputs"):
+        value = getattr(body, field)
+        if value is not None and getattr(value, "type", None) != "text":
+            raise APIError(400, f"{field} cannot be combined with a tool_choice that forces a "
+                           "tool call", param=field, code="invalid_request")  # fmt: skip
+    return constraint, "tools"
 
 
 def completion_prompt_ids(body: CompletionRequest, serving: Serving) -> list[int]:
@@ -84,9 +123,31 @@ class Run:
     """One OpenAI request in flight: its engine stream and its text post-processing."""
 
     id: str
-    stream: RequestStream
+    stream: RequestStream  # choice 0's (the prompt's facts: length, prompt log probabilities)
     matcher: StopStringMatcher
     created: int
+    text: TokenText  # each token's text (log probabilities)
+    top: int | None = None  # alternatives per token when log probabilities were asked for
+    streams: list[RequestStream] = dataclasses.field(default_factory=list)  # one per choice
+    matchers: list[StopStringMatcher] = dataclasses.field(default_factory=list)
+
+    def abort(self, serving: Serving) -> None:
+        """End every choice still running (client gone)."""
+        for stream in self.streams:
+            if stream.seq.finish_reason is None:
+                serving.abort(stream.request_id)
+
+
+@dataclass
+class Piece:
+    """A part of the reply: its text, the tokens it came from (with their log probabilities,
+    when asked for) and, on the last one, the finish reason."""
+
+    text: str
+    reason: str | None
+    tokens: list[int]
+    logprobs: list[Logprobs | None] | None = None
+    index: int = 0  # the choice it belongs to (n > 1)
 
 
 def _start(
@@ -97,44 +158,128 @@ def _start(
     max_tokens: int | None,
     prefix: str,
     key_name: str | None,
+    constraint: tuple[Constraint | None, str] | None = None,
 ) -> Run:
-    if body.model is not None and body.model != serving.settings.model_name:
-        raise model_not_found(body.model, serving.settings.model_name)
+    rank = data_parallel_rank(request, serving)
+    try:
+        lora = serving.adapter(body.model)  # the base model, a LoRA adapter, or 404
+    except LookupError:
+        raise model_not_found(str(body.model), serving.settings.model_name) from None
     unsupported = body.unsupported()
     if unsupported is not None:
-        raise APIError(400, f"{unsupported} is not supported by this server (the mock has no "
-                       "log-probabilities, tools or structured output); leave it unset",
+        raise APIError(400, f"{unsupported} is not supported by this server; leave it "
+                       "unset (functions/function_call: use tools/tool_choice; guided_*: use "
+                       "structured_outputs)",
                        param=unsupported, code="unsupported_parameter")  # fmt: skip
-    stops = body.stop_strings()
+    stops = [] if constraint is not None and constraint[1] == "tools" else body.stop_strings()
+    if constraint is None:
+        constraint = requested_constraint(body.response_format, body.structured_outputs)
+    grammar, grammar_param = constraint
     params = GenerationParams(
         prompt=ids, max_tokens=max_tokens, stop_token_ids=body.stop_token_ids,
         stop_strings=stops, ignore_eos=body.ignore_eos, priority=body.priority,
-        sampling=body.sampling(), user=key_name if key_name is not None else body.user,
-        key_name=key_name,
+        sampling=body.sampling(), bad_words=body.bad_words or [],
+        user=key_name if key_name is not None else body.user, key_name=key_name,
+        constraint=grammar, constraint_param=grammar_param, lora=lora,
     )  # fmt: skip
-    stream = faults.submit(
-        request, serving, params, streaming=bool(body.stream), id_prefix=prefix, model=body.model
-    )
-    return Run(stream.request_id, stream, StopStringMatcher(stops), int(time.time()))
+    n = _choices(body, serving)
+    stream = faults.submit(request, serving, params, streaming=bool(body.stream),
+                           id_prefix=prefix, model=body.model, rank=rank)  # fmt: skip
+    streams = [stream, *_fan_out(serving, params, stream, n, rank)]
+    matchers = [StopStringMatcher(stops, params.sampling.min_tokens) for _ in streams]
+    text = TokenText(serving.tokenizer)
+    top = body.top_logprobs_asked()
+    created = int(time.time())
+    return Run(stream.request_id, stream, matchers[0], created, text, top, streams, matchers)
 
 
-async def _texts(run: Run, serving: Serving) -> AsyncIterator[tuple[str, str | None]]:
-    """(text delta, finish reason or None) pairs. The engine ends a request at the step whose
-    tokens complete a stop string; here the text is cut right before it."""
+def _choices(body: OpenAIParams, serving: Serving) -> int:
+    """``n`` checked against ``--max-n`` (``best_of`` may only repeat it)."""
+    n = body.n or 1
+    if n > serving.settings.max_n:
+        raise APIError(400, f"n ({n}) exceeds this server's --max-n ({serving.settings.max_n})",
+                       param="n", code="invalid_value")  # fmt: skip
+    if body.best_of is not None and body.best_of != n:
+        raise APIError(400, "best_of must equal n (no server-side ranking of choices)",
+                       param="best_of", code="unsupported_parameter")  # fmt: skip
+    return n
+
+
+def _fan_out(
+    serving: Serving, params: GenerationParams, first: RequestStream, n: int, rank: int | None
+) -> list[RequestStream]:
+    """Choices 1 .. n-1 of a request as requests of their own (ids ``<id>~<i>``, seeds
+    ``seed + i`` when seeded, on data-parallel rank ``rank``: None, the least loaded); if one
+    is refused, the others are aborted."""
+    if n == 1 or first.seq.finish_reason is not None:  # (an injected failure: no choices)
+        return []
+    seed = params.sampling.seed
+    streams: list[RequestStream] = []
+    try:
+        for i in range(1, n):
+            sampling = dataclasses.replace(params.sampling, seed=None if seed is None else seed + i)
+            sibling = dataclasses.replace(
+                params, request_id=f"{first.request_id}~{i}", sampling=sampling
+            )
+            streams.append(serving.enqueue(serving.prepare(sibling), rank))
+    except BaseException:
+        for stream in [first, *streams]:
+            serving.abort(stream.request_id)
+        raise
+    return streams
+
+
+async def _texts(run: Run, serving: Serving, index: int = 0) -> AsyncIterator[Piece]:
+    """Choice ``index``'s pieces. The engine ends a request at the step whose tokens complete a
+    stop string; here the text is cut right before it."""
     decoder = serving.tokenizer.stream_decoder()
-    async for delta in run.stream:
-        text = run.matcher.feed(decoder.feed(delta.tokens))
-        if run.matcher.hit:
-            yield text, FinishReason.STOP.value
+    stream, matcher = run.streams[index], run.matchers[index]
+    async for delta in stream:
+        text = matcher.feed_tokens(decoder, delta.tokens)
+        if matcher.hit:
+            yield Piece(text, FinishReason.STOP.value, delta.tokens, delta.logprobs, index)
             return
         if delta.finish_reason is FinishReason.ERROR:
-            raise _ModelFailed(run.stream)
+            raise _ModelFailed(stream)
         if delta.finish_reason is not None:
-            text += run.matcher.feed(decoder.flush()) + run.matcher.flush()
-            yield text, delta.finish_reason.value
+            text += matcher.feed(decoder.flush()) + matcher.flush()
+            yield Piece(text, delta.finish_reason.value, delta.tokens, delta.logprobs, index)
             return
-        if text:
-            yield text, None
+        if text or (delta.tokens and delta.logprobs is not None):
+            yield Piece(text, None, delta.tokens, delta.logprobs, index)
+
+
+async def _all_texts(run: Run, serving: Serving) -> AsyncIterator[Piece]:
+    """Every choice's pieces, as they come (one choice: its pieces directly)."""
+    if len(run.streams) == 1:
+        async for piece in _texts(run, serving):
+            yield piece
+        return
+    queue: asyncio.Queue[Piece | Exception | None] = asyncio.Queue()
+
+    async def pump(index: int) -> None:
+        try:
+            async for piece in _texts(run, serving, index):
+                queue.put_nowait(piece)
+        except Exception as err:
+            queue.put_nowait(err)
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(run.streams))]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 class _ModelFailed(Exception):
@@ -142,12 +287,14 @@ class _ModelFailed(Exception):
         super().__init__(model_failed_message(stream.seq.error))
 
 
-def _usage(stream: RequestStream) -> dict[str, int]:
-    seq = stream.seq
+def _usage(run: Run) -> dict[str, int]:
+    """The prompt once, every choice's generated tokens."""
+    prompt = run.stream.seq.prompt_len
+    generated = sum(stream.seq.num_generated for stream in run.streams)
     return {
-        "prompt_tokens": seq.prompt_len,
-        "completion_tokens": seq.num_generated,
-        "total_tokens": seq.prompt_len + seq.num_generated,
+        "prompt_tokens": prompt,
+        "completion_tokens": generated,
+        "total_tokens": prompt + generated,
     }
 
 
@@ -157,21 +304,29 @@ async def _respond(
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _stream_chunks(run, serving, shape, usage)
-        return sse_response(chunks, run.stream, serving)
-    abort = lambda: serving.abort(run.id)  # noqa: E731
-    text, reason = await until_disconnected(request, _collect(run, serving), abort)
-    return JSONResponse(shape.whole(text, reason, _usage(run.stream), run.created))
+        return sse_response(chunks, run.streams, serving)
+    abort = lambda: run.abort(serving)  # noqa: E731
+    wholes = await until_disconnected(request, _collect(run, serving), abort)
+    return JSONResponse(shape.whole(wholes, _usage(run), run.created))
 
 
-async def _collect(run: Run, serving: Serving) -> tuple[str, str | None]:
-    parts: list[str] = []
-    reason: str | None = None
+async def _collect(run: Run, serving: Serving) -> list[Piece]:
+    """The whole reply: one piece per choice."""
+    wholes = [
+        Piece("", None, [], [] if run.top is not None else None, i) for i in range(len(run.streams))
+    ]
     try:
-        async for text, reason in _texts(run, serving):  # noqa: B007
-            parts.append(text)
+        async for piece in _all_texts(run, serving):
+            whole = wholes[piece.index]
+            whole.text += piece.text
+            whole.reason = piece.reason
+            whole.tokens += piece.tokens
+            if whole.logprobs is not None:
+                whole.logprobs += piece.logprobs or [None] * len(piece.tokens)
     except _ModelFailed as err:
+        run.abort(serving)
         raise APIError(500, str(err), "server_error", code="model_error") from err
-    return "".join(parts), reason
+    return wholes
 
 
 async def _stream_chunks(
@@ -180,13 +335,15 @@ async def _stream_chunks(
     for first in shape.opening(run.created):
         yield sse_event(None, first)
     try:
-        async for text, reason in _texts(run, serving):
-            yield sse_event(None, shape.chunk(text, reason, run.created))
+        async for piece in _all_texts(run, serving):
+            for chunk in shape.chunks(piece, run.created):
+                yield sse_event(None, chunk)
     except _ModelFailed as err:
+        run.abort(serving)
         yield sse_event(None, error_body(str(err), "server_error", None, "model_error"))
         return
     if include_usage:
-        yield sse_event(None, shape.usage_chunk(_usage(run.stream), run.created))
+        yield sse_event(None, shape.usage_chunk(_usage(run), run.created))
     yield DONE
 
 
@@ -196,8 +353,8 @@ class Shape:
     object_whole = ""
     object_chunk = ""
 
-    def __init__(self, request_id: str, model: str) -> None:
-        self.id, self.model = request_id, model
+    def __init__(self, request_id: str, model: str, run: Run) -> None:
+        self.id, self.model, self.run = request_id, model, run
 
     def envelope(self, obj: str, created: int, choices: list[Any]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": created, "model": self.model,
@@ -206,15 +363,16 @@ class Shape:
     def opening(self, created: int) -> list[dict[str, Any]]:
         return []
 
-    def whole(
-        self, text: str, reason: str | None, usage: dict[str, int], created: int
-    ) -> dict[str, Any]:
-        return self.envelope(self.object_whole, created, [self.choice(text, reason)]) | {
-            "usage": usage
-        }
+    def whole(self, pieces: list[Piece], usage: dict[str, int], created: int) -> dict[str, Any]:
+        choices = [self.choice(piece) for piece in pieces]
+        return self.envelope(self.object_whole, created, choices) | {"usage": usage}
 
-    def chunk(self, text: str, reason: str | None, created: int) -> dict[str, Any]:
-        return self.envelope(self.object_chunk, created, [self.delta(text, reason)])
+    def chunk(self, piece: Piece, created: int) -> dict[str, Any]:
+        return self.envelope(self.object_chunk, created, [self.delta(piece)])
+
+    def chunks(self, piece: Piece, created: int) -> list[dict[str, Any]]:
+        """The stream chunks for one piece of the reply."""
+        return [self.chunk(piece, created)]
 
     def usage_chunk(self, usage: dict[str, int], created: int) -> dict[str, Any]:
         return self.envelope(self.object_chunk, created, []) | {"usage": usage}
@@ -224,10 +382,38 @@ class Shape:
 
 
 class CompletionShape(Shape):
+    """A completion; with ``echo``, the prompt (and its log probabilities) comes first: in the
+    whole reply, or in the first streamed chunk."""
+
     object_whole = object_chunk = "text_completion"
 
-    def choice(self, text: str, reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+    def __init__(self, request_id: str, model: str, run: Run, echo: bool) -> None:
+        super().__init__(request_id, model, run)
+        self.echo = echo
+        self.started: set[int] = set()  # choices whose first piece was rendered
+        self.logprobs = [
+            None if run.top is None else CompletionLogprobs(run.text, run.top) for _ in run.streams
+        ]
+
+    def choice(self, piece: Piece) -> dict[str, Any]:
+        seq, index = self.run.stream.seq, piece.index
+        first = index not in self.started
+        self.started.add(index)
+        if self.echo and first:
+            prompt = seq.prompt
+            prompt_entries = seq.prompt_logprobs or [None] * len(prompt)
+            logprobs = None if piece.logprobs is None else [*prompt_entries, *piece.logprobs]
+            text = self.run.text.decode(prompt)
+            piece = Piece(text + piece.text, piece.reason, [*prompt, *piece.tokens], logprobs)
+        rendered, renderer = None, self.logprobs[index]
+        if renderer is not None:
+            entries = piece.logprobs or [None] * len(piece.tokens)
+            rendered = renderer.render(piece.tokens, entries)
+        out = {"index": index, "text": piece.text, "finish_reason": piece.reason,
+               "logprobs": rendered}  # fmt: skip
+        if first and seq.prompt_logprobs is not None:
+            out["prompt_logprobs"] = prompt_logprobs(seq.prompt, seq.prompt_logprobs, self.run.text)
+        return out
 
     delta = choice
 
@@ -237,13 +423,59 @@ class ChatShape(Shape):
     object_chunk = "chat.completion.chunk"
 
     def opening(self, created: int) -> list[dict[str, Any]]:
-        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-        return [self.envelope(self.object_chunk, created, [first])]
+        return [
+            self.envelope(self.object_chunk, created, [
+                {"index": i, "delta": {"role": "assistant", "content": ""},
+                 "finish_reason": None, "logprobs": None}
+            ])
+            for i in range(len(self.run.streams))
+        ]  # fmt: skip
 
-    def choice(self, text: str, reason: str | None) -> dict[str, Any]:
-        message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "finish_reason": reason, "logprobs": None}
+    def choice(self, piece: Piece) -> dict[str, Any]:
+        message = {"role": "assistant", "content": piece.text}
+        return {"index": piece.index, "message": message, "finish_reason": piece.reason,
+                "logprobs": self._logprobs(piece)}  # fmt: skip
 
-    def delta(self, text: str, reason: str | None) -> dict[str, Any]:
-        content = {"content": text} if text else {}
-        return {"index": 0, "delta": content, "finish_reason": reason, "logprobs": None}
+    def delta(self, piece: Piece) -> dict[str, Any]:
+        content = {"content": piece.text} if piece.text else {}
+        return {"index": piece.index, "delta": content, "finish_reason": piece.reason,
+                "logprobs": self._logprobs(piece)}  # fmt: skip
+
+    def whole(self, pieces: list[Piece], usage: dict[str, int], created: int) -> dict[str, Any]:
+        out = super().whole(pieces, usage, created)
+        seq = self.run.stream.seq
+        if seq.prompt_logprobs is not None:  # vLLM's field, next to the choices
+            out["prompt_logprobs"] = prompt_logprobs(seq.prompt, seq.prompt_logprobs, self.run.text)
+        return out
+
+    def _logprobs(self, piece: Piece) -> dict[str, Any] | None:
+        if self.run.top is None:
+            return None
+        entries = piece.logprobs or [None] * len(piece.tokens)
+        return {"content": chat_content(piece.tokens, entries, self.run.text, self.run.top),
+                "refusal": None}  # fmt: skip
+
+
+class ToolChatShape(ChatShape):
+    """A chat reply that may call tools (app/api/tools.py): ``message.tool_calls`` and
+    ``finish_reason: "tool_calls"``, streamed as OpenAI streams calls (per choice)."""
+
+    def __init__(self, request_id: str, model: str, run: Run, plan: ToolPlan) -> None:
+        super().__init__(request_id, model, run)
+        self.plan = plan
+        self.deltas = [ToolDeltas(plan) for _ in run.streams]
+
+    def choice(self, piece: Piece) -> dict[str, Any]:
+        message, reason = whole_message(piece.text, piece.reason, self.plan)
+        return {"index": piece.index, "message": message, "finish_reason": reason,
+                "logprobs": self._logprobs(piece)}  # fmt: skip
+
+    def chunks(self, piece: Piece, created: int) -> list[dict[str, Any]]:
+        logprobs = self._logprobs(piece)
+        out = []
+        for delta, end in self.deltas[piece.index].feed(piece.text, piece.reason):
+            choice = {"index": piece.index, "delta": delta, "finish_reason": end,
+                      "logprobs": logprobs}  # fmt: skip
+            logprobs = None  # once per piece
+            out.append(self.envelope(self.object_chunk, created, [choice]))
+        return out

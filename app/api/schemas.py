@@ -4,10 +4,22 @@ are ignored so real clients work; semantic checks (vocabulary, context length) l
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import dataclasses
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
 
+from app.api.structured import ResponseFormat, StructuredOutputs
+from app.api.tools import MessageToolCall, ToolChoiceField, ToolDef
 from app.models.protocol import SamplingParams
 
 
@@ -32,6 +44,12 @@ RequestId = Annotated[
 MaxTokens = Annotated[StrictInt, Field(ge=0)]
 Priority = Annotated[StrictInt, Field(ge=-1000, le=1000)]
 UserName = Annotated[StrictStr, Field(max_length=256), AfterValidator(_unicode_text)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+TokenKey = Annotated[StrictStr, Field(pattern=r"^[0-9]{1,9}$")]  # a token id as a JSON key
+Bias = Annotated[float, Field(ge=-100, le=100)]
+TopLogprobs = Annotated[StrictInt, Field(ge=0, le=20)]
+MAX_LOGIT_BIAS = 1024  # entries
+MAX_BAD_WORDS = 64
 
 
 class SamplingFields(BaseModel):
@@ -43,15 +61,34 @@ class SamplingFields(BaseModel):
     top_k: Annotated[StrictInt, Field(ge=-1)] | None = Field(None, description="-1 or 0: off")
     min_p: Annotated[float, Field(ge=0, le=1)] | None = Field(None, description="0: off")
     seed: StrictInt | None = Field(None, description="same seed, same tokens, whatever the batch")
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = None
+    logit_bias: Annotated[dict[TokenKey, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    bad_words: Annotated[list[NonEmptyText], Field(max_length=MAX_BAD_WORDS)] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(
-            temperature=self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=max(0, self.top_k or 0),
-            seed=self.seed,
-            min_p=0.0 if self.min_p is None else self.min_p,
-        )
+        """The sampling parameters (``bad_words`` are text: the server tokenizes them)."""
+        fields: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": max(0, self.top_k or 0),
+            "seed": self.seed,
+            "min_p": 0.0 if self.min_p is None else self.min_p,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "repetition_penalty": self.repetition_penalty or 1.0,
+            "logit_bias": tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
+            "min_tokens": self.min_tokens or 0,
+            "allowed_token_ids": (
+                None
+                if self.allowed_token_ids is None
+                else tuple(sorted(set(self.allowed_token_ids)))
+            ),
+        }
+        return SamplingParams(**fields)
 
 
 class GenerateRequest(SamplingFields):
@@ -74,16 +111,15 @@ class StreamOptions(BaseModel):
 
 
 NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
-    "echo": (None, False),
-    "logprobs": (None, False),  # 0 still asks completions for the sampled token's logprob
-    "top_logprobs": (None, 0),
     "suffix": (None, ""),
-    "best_of": (None, 1),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
+    # vLLM's legacy structured-output fields (removed there): refused, not silently ignored
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_json_object": (None, False),
 }
 
 
@@ -99,23 +135,26 @@ class OpenAIParams(SamplingFields):
     stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=16)] | None = None
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
     ignore_eos: StrictBool = False
-    n: Literal[1] | None = 1
+    n: Annotated[StrictInt, Field(ge=1)] | None = Field(1, description="choices (--max-n)")
+    best_of: Annotated[StrictInt, Field(ge=1)] | None = Field(None, description="must equal n")
     priority: Priority = Field(0, description="vLLM's extension: lower runs first")
     user: UserName | None = None
+    prompt_logprobs: TopLogprobs | None = Field(None, description="vLLM's: per prompt token")
 
-    # Fields that would change the response's shape (echoed prompt, log-probabilities, tool
-    # calls, JSON mode): this server cannot honour them, so a value other than the neutral one
-    # is refused (see ``unsupported``) rather than silently answered without them.
-    echo: object = None
-    logprobs: object = None
-    top_logprobs: object = None
+    # Fields that would change the response's shape (suffix, tool calls, JSON mode): this
+    # server cannot honour them, so a value other than the neutral one is refused (see
+    # ``unsupported``) rather than silently answered without them.
     suffix: object = None
-    best_of: object = None
-    tools: object = None
-    tool_choice: object = None
     functions: object = None
     function_call: object = None
-    response_format: object = None
+    guided_json: object = None
+    guided_regex: object = None
+    guided_choice: object = None
+    guided_grammar: object = None
+    guided_json_object: object = None
+    # structured outputs (app/api/structured.py): OpenAI's and vLLM's request fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def unsupported(self) -> str | None:
         """The first field set to a value this server cannot honour, or None."""
@@ -131,8 +170,32 @@ class OpenAIParams(SamplingFields):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def top_logprobs_asked(self) -> int | None:
+        """Alternatives per sampled token (0: the sampled token's only), None: no logprobs."""
+        return None
+
+    def sampling(self) -> SamplingParams:
+        params = super().sampling()
+        logprobs, prompt = self.top_logprobs_asked(), self.prompt_logprobs
+        if logprobs is None and prompt is None:
+            return params
+        return dataclasses.replace(params, logprobs=logprobs, prompt_logprobs=prompt)
+
 
 class CompletionRequest(OpenAIParams):
+    logprobs: TopLogprobs | None = Field(None, description="log probabilities of N alternatives")
+    echo: StrictBool | None = False
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
+
+    @model_validator(mode="after")
+    def _echo_logprobs(self) -> CompletionRequest:
+        """With ``echo``, ``logprobs`` covers the prompt's tokens too (as OpenAI's did)."""
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = self.logprobs
+        return self
+
     prompt: (
         NonEmptyText
         | Annotated[list[TokenId], Field(min_length=1)]
@@ -156,6 +219,8 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Text | list[ContentPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls (app/api/tools.py)
+    tool_call_id: StrictStr | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -168,3 +233,11 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(OpenAIParams):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
+    tool_choice: ToolChoiceField | None = None
+    parallel_tool_calls: StrictBool | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: TopLogprobs | None = None
+
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

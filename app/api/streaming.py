@@ -149,16 +149,21 @@ def _is_cancellation(err: BaseException) -> bool:
 
 
 def sse_response(
-    events: AsyncIterator[bytes], stream: RequestStream, serving: Serving
+    events: AsyncIterator[bytes],
+    stream: RequestStream | list[RequestStream],
+    serving: Serving,
 ) -> EventSourceResponse:
-    """Stream ``events`` for ``stream``'s request. sse-starlette watches for the client's
-    ``http.disconnect`` and ends the response; a reader that stops reading is cut off after
-    ``send_timeout`` (see ``EventStream``). Either way the request is aborted if unfinished."""
+    """Stream ``events`` for ``stream``'s request (or several: the choices of one request).
+    sse-starlette watches for the client's ``http.disconnect`` and ends the response; a reader
+    that stops reading is cut off after ``send_timeout`` (see ``EventStream``). Either way
+    every request still unfinished is aborted."""
     settings = serving.settings
+    streams = stream if isinstance(stream, list) else [stream]
 
     def abort_if_unfinished() -> None:
-        if stream.seq.finish_reason is None:
-            serving.abort(stream.request_id)
+        for each in streams:
+            if each.seq.finish_reason is None:
+                serving.abort(each.request_id)
 
     return EventStream(
         events,

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from app.engine.errors import DuplicateRequestError, QueueFullError
 from app.engine.policies import FCFS, PolicyConfig
+from app.engine.prefix_cache import CacheEvent
 from app.engine.runner import ModelRunner
 from app.engine.scheduler import BatchingPolicy, Scheduler, SchedulerConfig
 from app.engine.step import ModelOutput, SchedulerOutput, StepOutcome
@@ -38,6 +39,9 @@ class EngineConfig:
     max_model_len: int | None = None
     scheduling: PolicyConfig = FCFS  # the scheduling policy (app/engine/policies.py)
     enable_prefix_caching: bool = False
+    # Publish the prefix cache's changes (KV events) to the engine's ``KVEventSink``.
+    kv_events: bool = False
+    max_loras: int | None = None  # LoRA: distinct adapters per batch (None: LoRA off)
     step_costs: StepCosts = NO_STEP_TIME  # the simulated step time (zero: none)
     seed: int = 0  # the step clock's jitter
     # Run each model call in a worker thread, unless the model declares ``blocking = False``
@@ -55,6 +59,8 @@ class EngineConfig:
             max_model_len=self.max_model_len,
             scheduling=self.scheduling,
             enable_prefix_caching=self.enable_prefix_caching,
+            record_kv_events=self.kv_events and self.enable_prefix_caching,
+            max_loras=self.max_loras,
         )
 
 
@@ -71,6 +77,13 @@ class EngineObserver(Protocol):
         ...
 
 
+class KVEventSink(Protocol):
+    """Receives the prefix cache's changes once per step that had any (KV events). Called on
+    the engine task; must not block (app/kv_events/publisher.py queues them)."""
+
+    def publish(self, events: list[CacheEvent]) -> None: ...
+
+
 class EngineCore:
     """Live requests by id, their streams, and the scheduler. ``live`` holds every request that
     has not finished: waiting (in the inbox or the queue) or running."""
@@ -81,8 +94,10 @@ class EngineCore:
         config: EngineConfig,
         observer: EngineObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
+        kv_events: KVEventSink | None = None,
     ) -> None:
         self.config = config
+        self.kv_events = kv_events if config.kv_events else None
         self.runner = runner
         self.scheduler = Scheduler(config.scheduler_config())
         self.live: dict[str, RequestStream] = {}
@@ -150,7 +165,18 @@ class EngineCore:
             self._finished(seq)
 
     def schedule(self) -> SchedulerOutput:
-        return self.scheduler.schedule(self.clock())
+        out = self.scheduler.schedule(self.clock())
+        if out.empty:  # no step will follow at once: publish this one's evictions now
+            self._publish_kv_events()
+        return out
+
+    def reset_prefix_cache(self) -> bool:
+        """Evict every cached block no running request uses (vLLM's ``reset_prefix_cache``);
+        True if the cache is now empty (published as ``AllBlocksCleared``)."""
+        cache = self.scheduler.prefix_cache
+        cleared = cache is None or cache.clear_free()
+        self._publish_kv_events()
+        return cleared
 
     def update(self, out: SchedulerOutput, result: ModelOutput) -> None:
         """The model call for ``out`` returned ``result``: apply it and publish."""
@@ -171,6 +197,16 @@ class EngineCore:
             self._finished(seq)
         if self.observer is not None:
             self._observe(self.observer.on_step, outcome)
+        self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        """Hand the prefix cache's changes since the last call to the KV-event sink (errors
+        contained and counted like the observer's)."""
+        cache = self.scheduler.prefix_cache
+        if self.kv_events is not None and cache is not None:
+            events = cache.take_events()
+            if events:
+                self._observe(self.kv_events.publish, events)
 
     def _finished(self, seq: Sequence) -> None:
         stream = self.live.get(seq.request_id)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from enum import Enum, auto
 from typing import TypeVar
 
-from app.engine.core import EngineConfig, EngineCore, EngineObserver
+from app.engine.core import EngineConfig, EngineCore, EngineObserver, KVEventSink
 from app.engine.errors import (
     EngineDeadError,
     EngineDrainingError,
@@ -58,7 +58,14 @@ class Abort:
     reason: FinishReason = FinishReason.ABORT
 
 
-Message = Add | Abort | Signal
+@dataclass(frozen=True, slots=True)
+class ResetPrefixCache:
+    """Evict the prefix cache's free blocks; ``done`` gets whether the cache is empty."""
+
+    done: asyncio.Future[bool]
+
+
+Message = Add | Abort | Signal | ResetPrefixCache
 
 
 class Engine:
@@ -66,7 +73,11 @@ class Engine:
     ``submit()`` / ``abort()`` from any coroutine on the same loop; ``await stop()`` drains."""
 
     def __init__(
-        self, model: Model, config: EngineConfig, observer: EngineObserver | None = None
+        self,
+        model: Model,
+        config: EngineConfig,
+        observer: EngineObserver | None = None,
+        kv_events: KVEventSink | None = None,
     ) -> None:
         if config.enable_prefix_caching and not supports_prefix_caching(model):
             raise UnsupportedFeatureError(
@@ -75,7 +86,9 @@ class Engine:
             )
         self.model = model
         self.config = config
-        self.core = EngineCore(make_runner(model, config.num_slots), config, observer)
+        self.core = EngineCore(
+            make_runner(model, config.num_slots), config, observer, kv_events=kv_events
+        )
         self.clock = StepClock(config.step_costs, config.seed)
         self._inbox: asyncio.Queue[Message] = asyncio.Queue()
         self._idle = asyncio.Event()
@@ -119,6 +132,16 @@ class Engine:
             self.core.aborting.add(request_id)
             self._inbox.put_nowait(Abort(request_id, reason))
         return True
+
+    async def reset_prefix_cache(self) -> bool:
+        """Evict every cached block no running request uses, between two steps (the engine
+        task owns the cache); True if the cache is now empty. False at once if the engine is
+        not running."""
+        if not self.alive:
+            return False
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._inbox.put_nowait(ResetPrefixCache(done))
+        return await done
 
     async def wait_idle(self) -> None:
         """Return once no request is waiting or running (at once after ``stop()`` or once the
@@ -253,7 +276,7 @@ class Engine:
         if self.clock.enabled:
             prefill, decode = out.num_prefill_tokens, out.num_decode_tokens
             deadline = self.clock.paced_deadline(
-                out.started_at, prefill, decode, self._last_deadline
+                out.started_at, prefill, decode, self._last_deadline, out.lora_loads
             )
             self._last_deadline = deadline
             await sleep_until(deadline, self.core.clock)
@@ -278,6 +301,9 @@ class Engine:
             core.abort_waiting()
         elif message is Signal.ABORT_ALL:
             core.abort_all()
+        elif isinstance(message, ResetPrefixCache):
+            if not message.done.done():
+                message.done.set_result(core.reset_prefix_cache())
         elif message is Signal.SHUTDOWN:
             return False
         return True
@@ -295,6 +321,8 @@ class Engine:
             message = self._inbox.get_nowait()
             if isinstance(message, Add):
                 self.core.scheduler.waiting.push(message.seq)
+            elif isinstance(message, ResetPrefixCache) and not message.done.done():
+                message.done.set_result(False)
         if error is None:
             self.core.abort_all()
         else:

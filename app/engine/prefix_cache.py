@@ -12,12 +12,18 @@ when none is: free entries count as free KV blocks, and are evicted least recent
 when the blocks are needed (``evict_to``). A request's blocks are freed last block first, so a
 chain's tail goes before its head. The scheduler's books (``KVBooks.used``) count a referenced
 entry once however many requests share it.
+
+With ``record_events`` set, the cache logs what a KV-event subscriber needs to mirror it, in
+order: the blocks each publish stored, the blocks each eviction removed, and a clear
+(``CacheEvent``). ``take_events`` hands the log over (once per engine step); without a
+subscriber nothing is logged, so the cache pays nothing.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from enum import Enum
 
 from app.engine.types import Sequence
 
@@ -30,6 +36,25 @@ class CachedBlock:
     parent: CachedBlock | None
     tokens: tuple[int, ...]
     refs: int = 0
+    lora: str | None = None  # the LoRA adapter whose KV it holds (part of its key)
+    # The block's hash in vLLM's scheme (app/kv_events/hashing.py), computed once, when a KV
+    # event first names it (by the event publisher's thread: nothing else reads or writes it).
+    digest: bytes | None = None
+
+
+class CacheEventKind(Enum):
+    STORED = 0
+    REMOVED = 1
+    CLEARED = 2
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEvent:
+    """One change of the cache's contents: blocks stored (a chain's new tail, in order),
+    blocks removed, or every block cleared (``blocks`` empty)."""
+
+    kind: CacheEventKind
+    blocks: tuple[CachedBlock, ...] = ()
 
 
 @dataclass(slots=True)
@@ -47,10 +72,35 @@ class PrefixState:
 class PrefixCache:
     """Cached prompt blocks by chain key; the free ones in least-recently-used order."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, record_events: bool = False) -> None:
         self.block_size = block_size
         self._entries: dict[int, CachedBlock] = {}
         self._free: OrderedDict[int, CachedBlock] = OrderedDict()  # refs == 0, LRU first
+        self._events: list[CacheEvent] | None = [] if record_events else None
+
+    def take_events(self) -> list[CacheEvent]:
+        """The changes since the last call, oldest first (empty unless ``record_events``)."""
+        events = self._events
+        if not events:
+            return []
+        self._events = []
+        return events
+
+    def blocks(self) -> list[CachedBlock]:
+        """Every cached block (referenced or free)."""
+        return list(self._entries.values())
+
+    def clear_free(self) -> bool:
+        """Evict every free block; True if the cache is now empty (no block was referenced),
+        which is logged as one clear instead of the removals (vLLM's ``AllBlocksCleared``)."""
+        if len(self._free) < len(self._entries):
+            self.evict_to(0)
+            return False
+        self._free.clear()
+        self._entries.clear()
+        if self._events is not None:
+            self._events.append(CacheEvent(CacheEventKind.CLEARED))
+        return True
 
     @property
     def num_cached(self) -> int:
@@ -68,8 +118,9 @@ class PrefixCache:
 
     def state(self, seq: Sequence) -> PrefixState:
         """``seq``'s prefix state, its prompt's chain keys computed at its first lookup."""
-        if seq.prefix is None:
-            size, parent, keys = self.block_size, 0, []
+        if seq.prefix is None:  # an adapter's blocks chain from their own root
+            size, keys = self.block_size, []
+            parent = 0 if seq.lora is None else hash(("lora", seq.lora))
             prompt = seq.tokens[: seq.prompt_len]
             for start in range(0, len(prompt) - size + 1, size):
                 parent = hash((parent, *prompt[start : start + size]))
@@ -108,19 +159,25 @@ class PrefixCache:
         assert state is not None
         size, tokens, keys, entries = self.block_size, seq.tokens, state.keys, self._entries
         done = min(seq.prefilled, seq.prompt_len) // size
+        stored: list[CachedBlock] = []
         for i in range(state.checked, done):
             parent = entries.get(keys[i - 1]) if i else None
             if i and parent is None:
                 break  # the chain is broken (its head was evicted): nothing past it is found
             block = entries.get(keys[i])
             if block is not None and block.refs == 0 and block.parent is not parent:
+                self._end_run(stored)
                 self._drop(block)  # a stale entry (its parent was evicted): replace it
                 block = None
             if block is None:
-                block = CachedBlock(keys[i], parent, tuple(tokens[i * size : (i + 1) * size]))
+                block = CachedBlock(keys[i], parent, tuple(tokens[i * size : (i + 1) * size]),
+                                    lora=seq.lora)  # fmt: skip
                 entries[keys[i]] = block
                 self._ref(block)
                 state.blocks.append(block)
+                if self._events is not None:
+                    self._stored(stored, block)
+        self._end_run(stored)
         state.checked = max(state.checked, done)
 
     def release(self, seq: Sequence) -> None:
@@ -137,12 +194,14 @@ class PrefixCache:
     def evict_to(self, max_free: int) -> int:
         """Evict least recently used free blocks until at most ``max_free`` are left (the
         blocks the scheduler handed out came from the free ones). Returns how many went."""
-        evicted = 0
+        evicted: list[CachedBlock] = []
         while len(self._free) > max(max_free, 0):
             _, block = self._free.popitem(last=False)
             del self._entries[block.key]
-            evicted += 1
-        return evicted
+            evicted.append(block)
+        if evicted and self._events is not None:
+            self._events.append(CacheEvent(CacheEventKind.REMOVED, tuple(evicted)))
+        return len(evicted)
 
     def _ref(self, block: CachedBlock) -> None:
         if block.refs == 0:
@@ -152,3 +211,17 @@ class PrefixCache:
     def _drop(self, block: CachedBlock) -> None:
         self._free.pop(block.key, None)
         del self._entries[block.key]
+        if self._events is not None:
+            self._events.append(CacheEvent(CacheEventKind.REMOVED, (block,)))
+
+    def _stored(self, run: list[CachedBlock], block: CachedBlock) -> None:
+        """Add ``block`` to the run of stored blocks being logged; a block that does not
+        continue the run (its parent is not the run's last) ends it as one event."""
+        if run and block.parent is not run[-1]:
+            self._end_run(run)
+        run.append(block)
+
+    def _end_run(self, run: list[CachedBlock]) -> None:
+        if run and self._events is not None:
+            self._events.append(CacheEvent(CacheEventKind.STORED, tuple(run)))
+            run.clear()

@@ -3,13 +3,24 @@ what comes back. This is the only code that talks to a model; it never changes s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Protocol
 
 from app.engine.errors import ModelOutputError
 from app.engine.step import ModelOutput, SchedulerOutput
 from app.engine.types import Sequence
-from app.models.protocol import CachedModel, Model, SamplingParams, StatelessModel, StepBatch
+from app.models.protocol import (
+    CachedModel,
+    Logprobs,
+    Model,
+    PrefillChunk,
+    SamplingParams,
+    StatelessModel,
+    StepBatch,
+    StepResult,
+    applies_token_masks,
+)
 
 log = logging.getLogger("slotserve.engine")
 
@@ -44,21 +55,33 @@ class StatelessRunner:
         self.pad_sequence = pad_sequence
         self._decodes: list[Sequence] = []  # the previous step's decode list and its inputs:
         self._inputs: list[list[int]] = []  # while it is unchanged, the same lists serve again
+        self._constrained = ConstrainedRows()
+        self._plain = True  # every one of those decodes samples plainly
+        self._sampled = getattr(model, "next_tokens_for", None)
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         seqs = out.decode_seqs
         inputs = self._inputs_for(seqs)
+        plain = self._plain
         if out.prefills:
             sampling = [s for s, c in zip(out.prefill_seqs, out.prefills, strict=True) if c.sample]
             seqs, inputs = seqs + sampling, inputs + [s.tokens for s in sampling]
+            plain = plain and all(s.sampling.plain for s in sampling)
         if not inputs:
             return ModelOutput([])
-        if self.pad_sequence is not None:
-            return ModelOutput(self._padded(seqs, inputs))
-        return ModelOutput(checked_tokens(self.model.next_tokens(inputs), len(inputs)))
+        if not plain and self._sampled is not None:
+            output = model_output(self._sampled(seqs), len(seqs))
+        elif self.pad_sequence is not None:
+            output = ModelOutput(self._padded(seqs, inputs))
+        else:
+            output = ModelOutput(checked_tokens(self.model.next_tokens(inputs), len(inputs)))
+        rows = self._constrained.rows(out.decode_seqs, seqs[len(out.decode_seqs) :])
+        if rows:
+            output = _obeyed_output(output, rows)
+        return output
 
     def close(self) -> None:
-        self._decodes, self._inputs = [], []
+        self._decodes, self._inputs, self._plain = [], [], True
 
     def retry_resets(self) -> frozenset[int]:
         return frozenset()  # a stateless model has no cache to reset
@@ -66,6 +89,7 @@ class StatelessRunner:
     def _inputs_for(self, decodes: list[Sequence]) -> list[list[int]]:
         if decodes is not self._decodes:
             self._decodes, self._inputs = decodes, [seq.tokens for seq in decodes]
+            self._plain = all(seq.sampling.plain for seq in decodes)
         return self._inputs
 
     def _padded(self, seqs: list[Sequence], inputs: list[list[int]]) -> list[int]:
@@ -96,6 +120,19 @@ class CachedRunner:
         self._dirty: set[int] = set()  # assigned slots whose release raised
         self._decodes: list[Sequence] = []  # the previous step's decode list and the model-
         self._columns: tuple[list[int], list[SamplingParams], list[str]] = ([], [], [])
+        self._constrained = ConstrainedRows()
+        self._masks = applies_token_masks(model)
+        self._plain = True  # every one of those decodes samples plainly
+        self._sampled = getattr(model, "step_sampled", None)
+
+    def _sampling_prefills(self, out: SchedulerOutput, run: list[PrefillChunk]) -> list[Sequence]:
+        """The requests of the chunks in ``run`` that sample, in order (their output rows)."""
+        ran = {id(chunk) for chunk in run}
+        return [
+            seq
+            for seq, chunk in zip(out.prefill_seqs, out.prefills, strict=True)
+            if chunk.sample and id(chunk) in ran
+        ]
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         for slot in [*out.released, *self._dirty]:
@@ -108,9 +145,23 @@ class CachedRunner:
             prefills = [c for c in prefills if not (c.fresh and c.slot in self._dirty)]
         self._assigned.update(chunk.slot for chunk in prefills if chunk.fresh)
         slots, sampling, ids = self._columns_for(out.decode_seqs)
-        batch = StepBatch(slots, out.decode_tokens, sampling, ids, prefills)
-        tokens = checked_tokens(self.model.step(batch), batch.num_outputs)
-        return ModelOutput(tokens, frozenset(self._dirty))
+        sampled = self._sampling_prefills(out, prefills) if prefills else []
+        rows = self._constrained.rows(out.decode_seqs, sampled)
+        masks: list[bytes | None] = []
+        if rows and self._masks:
+            masks = [None] * (len(out.decode_seqs) + len(sampled))
+            for index, seq in rows:
+                masks[index] = seq.constraint.mask() if seq.constraint is not None else None
+        batch = StepBatch(slots, out.decode_tokens, sampling, ids, prefills,
+                          decode_histories=out.decode_seqs, token_masks=masks)  # fmt: skip
+        plain = self._plain and all(chunk.sampling.plain for chunk in prefills)
+        step = self.model.step if plain or self._sampled is None else self._sampled
+        output = model_output(step(batch), batch.num_outputs, frozenset(self._dirty))
+        if masks:
+            checked_masked(output.tokens, masks)
+        elif rows:
+            output = _obeyed_output(output, rows)
+        return output
 
     def close(self) -> None:
         for slot in sorted(self._assigned):
@@ -130,6 +181,7 @@ class CachedRunner:
             assert len(slots) == len(decodes), "a decoding request without a slot"
             self._decodes = decodes
             self._columns = (slots, [s.sampling for s in decodes], [s.request_id for s in decodes])
+            self._plain = all(params.plain for params in self._columns[1])
         return self._columns
 
     def _release(self, slot: int) -> None:
@@ -146,6 +198,66 @@ class CachedRunner:
         if self._dirty:
             self._dirty.discard(slot)
             log.info("slot %d was reset and is back in service", slot)
+
+
+class ConstrainedRows:
+    """The output rows of a step whose request has a grammar (``Sequence.constraint``), as
+    (row, request) pairs. The decode part is recomputed only when the decode list changes (the
+    scheduler hands out the same list while it does not), so a step with no constrained
+    request pays one identity check."""
+
+    def __init__(self) -> None:
+        self._decodes: list[Sequence] = []
+        self._rows: list[tuple[int, Sequence]] = []
+
+    def rows(self, decodes: list[Sequence], sampled: list[Sequence]) -> list[tuple[int, Sequence]]:
+        if decodes is not self._decodes:
+            self._decodes = decodes
+            self._rows = [(i, seq) for i, seq in enumerate(decodes) if seq.constraint is not None]
+        if not any(seq.constraint is not None for seq in sampled):
+            return self._rows
+        base = len(decodes)
+        extra = [(base + i, seq) for i, seq in enumerate(sampled) if seq.constraint is not None]
+        return [*self._rows, *extra]
+
+
+def obeyed(tokens: list[int], rows: list[tuple[int, Sequence]]) -> list[int]:
+    """``tokens`` with each constrained row's token made to obey its grammar (for a model that
+    cannot apply masks: ``TokenConstraint.choose``)."""
+    tokens = list(tokens)
+    for index, seq in rows:
+        if seq.constraint is not None:
+            tokens[index] = seq.constraint.choose(tokens[index])
+    return tokens
+
+
+def _obeyed_output(output: ModelOutput, rows: list[tuple[int, Sequence]]) -> ModelOutput:
+    """``output`` with its constrained rows' tokens made to obey their grammars (``obeyed``);
+    a replaced token takes the place of the one it replaced in that row's log probabilities,
+    so the reported token is still the most likely (the mocks' synthetic distribution)."""
+    tokens = obeyed(output.tokens, rows)
+    logprobs = output.logprobs
+    if logprobs is not None:
+        logprobs = list(logprobs)
+        for index, _ in rows:
+            old, new, entry = output.tokens[index], tokens[index], logprobs[index]
+            if entry is not None and old != new:
+                swap = {old: new, new: old}
+                top = tuple((swap.get(t, t), lp) for t, lp in entry.top)
+                logprobs[index] = Logprobs(new, entry.logprob, top)
+    return dataclasses.replace(output, tokens=tokens, logprobs=logprobs)
+
+
+def checked_masked(tokens: list[int], masks: list[bytes | None]) -> list[int]:
+    """``tokens``, or ``ModelOutputError`` if a masked row's token is not allowed by its mask."""
+    for index, (token, mask) in enumerate(zip(tokens, masks, strict=True)):
+        if mask is not None and not (
+            token >> 3 < len(mask) and mask[token >> 3] >> (token & 7) & 1
+        ):
+            raise ModelOutputError(
+                f"model sampled token {token} at row {index}, which its mask forbids"
+            )
+    return tokens
 
 
 def close_quietly(runner: ModelRunner) -> None:
@@ -170,6 +282,19 @@ def make_runner(model: Model, num_slots: int, pad_sequence: list[int] | None = N
 
 
 _INT_ONLY = {int}
+
+
+def model_output(
+    result: object, expected: int, unavailable: frozenset[int] = frozenset()
+) -> ModelOutput:
+    """A model's answer (a token list or a ``StepResult``) checked and wrapped."""
+    if not isinstance(result, StepResult):
+        return ModelOutput(checked_tokens(result, expected), unavailable)
+    tokens = checked_tokens(result.tokens, expected)
+    logprobs = result.logprobs
+    if logprobs is not None and len(logprobs) != expected:
+        raise ModelOutputError(f"model returned {len(logprobs)} logprobs, expected {expected}")
+    return ModelOutput(tokens, unavailable, logprobs, result.prompt_logprobs)
 
 
 def checked_tokens(tokens: object, expected: int) -> list[int]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from app.engine.errors import ModelOutputError
 from app.engine.kv_books import KVBooks
 from app.engine.policies import FCFS, Policy, PolicyConfig, make_policy
 from app.engine.prefix_cache import CachedBlock, PrefixCache
@@ -33,7 +34,7 @@ from app.engine.slots import SlotTable
 from app.engine.step import ModelOutput, SchedulerOutput, StepOutcome
 from app.engine.types import FinishReason, RequestStatus, Sequence
 from app.engine.waiting import WaitingQueue
-from app.models.protocol import PrefillChunk
+from app.models.protocol import Logprobs, PrefillChunk
 
 UNBOUNDED = 1 << 62
 
@@ -76,6 +77,11 @@ class SchedulerConfig:
     max_model_len: int | None = None
     scheduling: PolicyConfig = FCFS
     enable_prefix_caching: bool = False
+    record_kv_events: bool = False  # the prefix cache logs its changes (KV events)
+    # LoRA: at most this many distinct adapters among the running requests (None: no rule).
+    # A waiting request whose adapter would exceed it waits; requests behind it that fit go
+    # first (vLLM's rule).
+    max_loras: int | None = None
 
     @property
     def kv_binds(self) -> bool:
@@ -109,7 +115,11 @@ class Scheduler:
         self.config = config
         self.slots = SlotTable(config.num_slots)
         self.waiting = WaitingQueue()
-        self.prefix_cache = PrefixCache(config.block_size) if config.enable_prefix_caching else None
+        self.prefix_cache = (
+            PrefixCache(config.block_size, config.record_kv_events)
+            if config.enable_prefix_caching
+            else None
+        )
         self.books = KVBooks(
             config.kv_cache_tokens or UNBOUNDED, config.block_size, self.prefix_cache
         )
@@ -123,6 +133,10 @@ class Scheduler:
         self._free_blocks = UNBOUNDED  # while planning a step: blocks not yet handed out
         self._admissions = 0
         self._unstarted: set[str] = set()  # admitted, no chunk scheduled on the fresh slot yet
+        # LoRA adapters in the batch's adapter slots (``max_loras`` of them), least recently
+        # admitted first: admitting a request whose adapter is not there loads it (counted in
+        # ``SchedulerOutput.lora_loads``, charged by the step clock)
+        self._lora_slots: dict[str, None] = {}
         self.scheduling: Policy | None = make_policy(config.scheduling)
 
     @property
@@ -141,8 +155,8 @@ class Scheduler:
     def add(self, seq: Sequence, now: float) -> bool:
         """Queue ``seq``. Returns True if it finished at once: ``max_tokens == 0`` (never run,
         ``length``) or too long for the whole KV cache (``error``)."""
-        if seq.max_tokens <= 0:
-            self._close(seq, FinishReason.LENGTH, now)
+        if seq.max_tokens <= 0 and seq.prompt_logprobs is None:
+            self._close(seq, FinishReason.LENGTH, now)  # (with prompt logprobs: prefill only)
             return True
         if self.config.kv_binds and not self.books.fits_ever(seq.token_limit - 1):
             seq.error = ValueError(
@@ -245,7 +259,9 @@ class Scheduler:
         if len(tokens) != expected:
             raise ValueError(f"{len(tokens)} tokens for a step that samples {expected}")
         outcome = StepOutcome(out, now)
-        outcome.num_decode_generated = self._apply_decodes(out.decode_seqs, tokens, outcome)
+        outcome.num_decode_generated = self._apply_decodes(
+            out.decode_seqs, tokens, outcome, result.logprobs
+        )
         self._apply_prefills(out, result, outcome)
         self.slots.set_out_of_service(result.unavailable_slots)
         return outcome
@@ -296,6 +312,10 @@ class Scheduler:
         candidate = policy.select(self.waiting, now)
         if now - candidate.queued_at < policy.config.preemption_delay:
             return  # it may still get a slot that frees on its own
+        if self.config.max_loras is not None and not self._lora_fits(
+            candidate, self._running_loras()
+        ):
+            return  # its adapter could not join the batch: a freed slot would go to another
         victim = policy.victim(candidate, self.slots.running(), now)
         # a victim one overtake from the bound would be served first again at once: a
         # preempt-and-readmit loop that would also leave the candidate waiting
@@ -328,7 +348,7 @@ class Scheduler:
             self._unstarted.discard(seq.request_id)
         prefix = seq.tokens[:start] if first and start else ()
         chunk = PrefillChunk(seq.slot, seq.tokens[start : start + size], start, sample,
-                             seq.sampling, seq.request_id, prefix)  # fmt: skip
+                             seq.sampling, seq.request_id, prefix, seq)  # fmt: skip
         out.prefill_seqs.append(seq)
         out.prefills.append(chunk)
         out.num_prefill_tokens += size
@@ -341,16 +361,26 @@ class Scheduler:
             return budget
         # Static batching fills every slot at once (later steps prefill what the budget left).
         policy = self.scheduling
+        loras = self._running_loras() if self.config.max_loras is not None else None
         while (budget > 0 or static) and self.waiting and self.slots.num_free:
             seq = self.waiting.peek() if policy is None else policy.select(self.waiting, now)
+            if loras is not None and not self._lora_fits(seq, loras):
+                found = self._first_fitting(policy, loras, now)
+                if found is None:
+                    break  # every waiting request needs another adapter: they wait
+                seq = found
             hits = self._cached_prefix(seq)
             cost = sum(1 for block in hits if block.refs == 0)  # they leave the free blocks
             if not self.books.room(0, self._free_blocks - cost):
                 break  # the cache is full: it waits (first come, first served)
-            if policy is None:
+            if policy is None and loras is not None:
+                self.waiting.remove(seq.request_id)  # not necessarily the head
+            elif policy is None:
                 self.waiting.pop()
             else:
                 self._take(policy, seq, now)
+            if loras is not None and seq.lora is not None:
+                self._load_lora(out, seq.lora, loras)
             self.slots.allocate(seq)
             seq.status = RequestStatus.RUNNING
             seq.prefilled, seq.prefill_target = 0, len(seq.tokens)
@@ -373,6 +403,39 @@ class Scheduler:
             budget -= self._chunk(out, seq, budget)
         return budget
 
+    def _first_fitting(self, policy: Policy | None, loras: set[str], now: float) -> Sequence | None:
+        """The request to admit among those whose adapter may join a batch running ``loras``:
+        the earliest under fcfs, the policy's pick among them otherwise; None if none fits."""
+        fitting = (s for s in self.waiting if self._lora_fits(s, loras))
+        if policy is None:
+            return next(fitting, None)
+        candidates = list(fitting)
+        return policy.select(candidates, now) if candidates else None
+
+    def _running_loras(self) -> set[str]:
+        """The adapters of the running requests."""
+        return {seq.lora for seq in self.slots.running() if seq.lora is not None}
+
+    def _lora_fits(self, seq: Sequence, loras: set[str]) -> bool:
+        """Whether ``seq`` may join a batch running adapters ``loras``."""
+        assert self.config.max_loras is not None
+        return seq.lora is None or seq.lora in loras or len(loras) < self.config.max_loras
+
+    def _load_lora(self, out: SchedulerOutput, lora: str, loras: set[str]) -> None:
+        """``lora`` joins the batch; if it is not in an adapter slot, it is loaded there (in
+        place of the least recently admitted adapter no running request uses)."""
+        assert self.config.max_loras is not None
+        loras.add(lora)
+        slots = self._lora_slots
+        if lora in slots:
+            del slots[lora]  # most recently admitted: last
+        else:
+            out.lora_loads += 1
+            if len(slots) >= self.config.max_loras:
+                idle = next(name for name in slots if name not in loras)
+                del slots[idle]
+        slots[lora] = None
+
     def _take(self, policy: Policy, seq: Sequence, now: float) -> None:
         """Take ``seq`` out of the queue for admission: every request ahead of it in the queue
         is overtaken once; its own count restarts."""
@@ -387,23 +450,31 @@ class Scheduler:
     def _cached_prefix(self, seq: Sequence) -> list[CachedBlock]:
         """The cached leading blocks of ``seq``'s prompt (none without a prefix cache). At
         least its last token is always computed, to sample from."""
-        if self.prefix_cache is None:
-            return []
+        if self.prefix_cache is None or seq.prompt_logprobs is not None:
+            return []  # prompt log probabilities need every prompt position computed
         return self.prefix_cache.lookup(seq, len(seq.tokens) - 1)
 
-    def _apply_decodes(self, seqs: list[Sequence], tokens: list[int], outcome: StepOutcome) -> int:
+    def _apply_decodes(
+        self,
+        seqs: list[Sequence],
+        tokens: list[int],
+        outcome: StepOutcome,
+        logprobs: list[Logprobs | None] | None,
+    ) -> int:
         """The hot path: one token for each decoding request. Returns the tokens applied."""
         finished, now, running = outcome.finished, outcome.ended_at, RequestStatus.RUNNING
         skipped = dropped = 0
-        for seq, token in zip(seqs, tokens, strict=False):
+        for i, (seq, token) in enumerate(zip(seqs, tokens, strict=False)):
             if seq.status is not running:
                 skipped += 1  # aborted or preempted while the model ran: its token is dropped
             elif (
                 token in seq.stop_token_ids
                 or len(seq.tokens) + 1 >= seq.token_limit
-                or seq.stop is not None
+                or seq.slow
+                or seq.constraint is not None
             ):
-                dropped += self._append(seq, token, now, finished)  # every end rule: one place
+                logprob = None if logprobs is None else logprobs[i]
+                dropped += self._append(seq, token, now, finished, logprob)  # every end rule
             else:
                 seq.tokens.append(token)  # one token, not the last: the request has computed it
         outcome.num_generated += len(seqs) - skipped - dropped
@@ -426,31 +497,60 @@ class Scheduler:
             seq.prefilled = chunk.start + len(chunk.token_ids)
             if self.prefix_cache is not None:
                 self.prefix_cache.publish(seq)
+            if result.prompt_logprobs is not None and not seq.prompt_logprobs_done:
+                _store_prompt_logprobs(seq, result.prompt_logprobs.get(seq.request_id))
             if token is None:
                 continue
             self._prefilling.remove(seq)
             self._decoding = None  # it decodes from the next step on
             if seq.times.first_token is None:
                 seq.times.first_token = now
-            outcome.num_generated += 1 - self._append(seq, token, now, outcome.finished)
+            logprob = None if result.logprobs is None else result.logprobs[index - 1]
+            outcome.num_generated += 1 - self._append(seq, token, now, outcome.finished, logprob)
 
-    def _append(self, seq: Sequence, token: int, now: float, finished: list[Sequence]) -> int:
-        """Append ``token`` and apply the end rules: a stop token (kept only with
-        ``include_stop``), a stop string, ``max_tokens``. Returns 1 if the token was a stop
-        token left out of the output, else 0."""
-        if token in seq.stop_token_ids:
+    def _append(
+        self,
+        seq: Sequence,
+        token: int,
+        now: float,
+        finished: list[Sequence],
+        logprob: Logprobs | None = None,
+    ) -> int:
+        """Append ``token`` (and its log probabilities, if asked for) and apply the end rules:
+        a stop token (kept only with ``include_stop``), a stop string, ``max_tokens``, the end
+        of its grammar. Before ``min_tokens`` tokens were generated, a stop token is an ordinary
+        token (the model should not have sampled it) and stop strings do not match
+        (``StopStrings`` counts). A request with ``max_tokens == 0`` (it ran only for its prompt
+        log probabilities) keeps nothing. Returns 1 if the token was left out of the output (a
+        stop token, or a token its grammar refused), else 0."""
+        if seq.max_tokens == 0:
+            self._finish(seq, FinishReason.LENGTH, now)
+            finished.append(seq)
+            return 1
+        if seq.constraint is not None and not seq.constraint.accept(token):
+            seq.error = ModelOutputError(f"token {token} is not allowed by the request's grammar")
+            self._finish(seq, FinishReason.ERROR, now)
+            finished.append(seq)
+            return 1
+        if token in seq.stop_token_ids and seq.num_generated >= seq.sampling.min_tokens:
             reason = FinishReason.STOP
             if not seq.include_stop:
                 self._finish(seq, reason, now)
                 finished.append(seq)
                 return 1
             seq.tokens.append(token)
+            if seq.logprobs is not None:
+                seq.logprobs.append(logprob)
         else:
             seq.tokens.append(token)
+            if seq.logprobs is not None:
+                seq.logprobs.append(logprob)
             if seq.stop is not None and seq.stop.feed([token]):
                 reason = FinishReason.STOP
             elif len(seq.tokens) >= seq.token_limit:
                 reason = FinishReason.LENGTH
+            elif seq.constraint is not None and seq.constraint.finished:
+                reason = FinishReason.STOP  # its grammar ended on a token that is no stop token
             else:
                 return 0
         self._finish(seq, reason, now)
@@ -477,6 +577,7 @@ class Scheduler:
     def _close(self, seq: Sequence, reason: FinishReason, now: float) -> None:
         seq.status = RequestStatus.FINISHED
         seq.finish_reason = reason
+        seq.constraint = None  # its grammar state is freed with the request
         seq.times.finished = now
 
     def _requeue(self, seq: Sequence, status: RequestStatus, now: float) -> None:
@@ -503,3 +604,15 @@ class Scheduler:
         seq.prefilled = 0
         if self.prefix_cache is not None:
             self.prefix_cache.release(seq)
+
+
+def _store_prompt_logprobs(seq: Sequence, found: tuple[int, list[Logprobs]] | None) -> None:
+    """Keep the prompt log probabilities a step computed for ``seq``, in position order: only
+    those that continue what it has (a resumed request's recomputed prompt adds nothing)."""
+    stored = seq.prompt_logprobs
+    if found is None or stored is None:
+        return
+    position, entries = found
+    skip = len(stored) - position
+    if skip >= 0:
+        stored.extend(entries[skip : max(skip, seq.prompt_len - position)])

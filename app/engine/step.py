@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from app.engine.types import Sequence
-from app.models.protocol import PrefillChunk
+from app.models.protocol import Logprobs, PrefillChunk
 
 
 @dataclass(slots=True)
@@ -33,6 +33,8 @@ class SchedulerOutput:
       (requests fed their last generated token) drive the step clock and the metrics.
     - ``prefix_queries`` / ``prefix_hits``: tokens of the requests admitted or resumed in this
       step looked up in the prefix cache, and those found there (not prefilled).
+    - ``lora_loads``: LoRA adapters this step loads into an adapter slot (the step clock may
+      charge them).
     """
 
     decode_seqs: list[Sequence]
@@ -45,6 +47,7 @@ class SchedulerOutput:
     num_prefill_tokens: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    lora_loads: int = 0  # LoRA adapters loaded into the batch's adapter slots in this step
     started_at: float = 0.0
     _decode_tokens: list[int] | None = None
 
@@ -79,6 +82,9 @@ class ModelOutput:
     in order, then one per prefill chunk with ``sample`` set, in order. A partial chunk adds
     nothing.
 
+    ``logprobs`` and ``prompt_logprobs``: as the model's ``StepResult`` gave them (None when no
+    request of the step asked).
+
     ``unavailable_slots``: slots whose cache the model failed to reset, even when retried. They
     are out of service until a later retry succeeds; a fresh chunk scheduled on one was not run
     (and has no token here): its request goes back to the queue and loses nothing.
@@ -86,6 +92,8 @@ class ModelOutput:
 
     tokens: list[int]
     unavailable_slots: frozenset[int] = frozenset()
+    logprobs: list[Logprobs | None] | None = None  # aligned with tokens, when asked for
+    prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] | None = None  # see StepResult
 
     def ran(self, chunk: PrefillChunk) -> bool:
         """Whether ``chunk`` was run (not skipped for an unavailable slot)."""

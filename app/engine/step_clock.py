@@ -29,13 +29,16 @@ class StepCosts:
     prefill_token_ms: float = 0.0
     decode_token_ms: float = 0.0
     jitter: float = 0.0  # standard deviation as a fraction of the mean
+    lora_load_ms: float = 0.0  # per LoRA adapter a step loads into the batch
 
     @property
     def enabled(self) -> bool:
-        return bool(self.step_ms or self.prefill_token_ms or self.decode_token_ms)
+        return bool(
+            self.step_ms or self.prefill_token_ms or self.decode_token_ms or self.lora_load_ms
+        )
 
-    def mean_seconds(self, prefill_tokens: int, decode_tokens: int) -> float:
-        ms = self.step_ms + self.prefill_token_ms * prefill_tokens
+    def mean_seconds(self, prefill_tokens: int, decode_tokens: int, lora_loads: int = 0) -> float:
+        ms = self.step_ms + self.prefill_token_ms * prefill_tokens + self.lora_load_ms * lora_loads
         return (ms + self.decode_token_ms * decode_tokens) / 1000.0
 
 
@@ -50,9 +53,9 @@ class StepClock:
     def enabled(self) -> bool:
         return self.costs.enabled
 
-    def duration(self, prefill_tokens: int, decode_tokens: int) -> float:
+    def duration(self, prefill_tokens: int, decode_tokens: int, lora_loads: int = 0) -> float:
         """Seconds the step lasts (jittered within +-``JITTER_CAP`` of its mean)."""
-        mean = self.costs.mean_seconds(prefill_tokens, decode_tokens)
+        mean = self.costs.mean_seconds(prefill_tokens, decode_tokens, lora_loads)
         jitter = min(self.costs.jitter, JITTER_CAP)
         if jitter and mean:
             mean *= 1.0 + max(-JITTER_CAP, min(JITTER_CAP, self._rng.gauss(0.0, jitter)))
@@ -62,7 +65,12 @@ class StepClock:
         return started_at + self.duration(prefill_tokens, decode_tokens)
 
     def paced_deadline(
-        self, started_at: float, prefill_tokens: int, decode_tokens: int, previous: float | None
+        self,
+        started_at: float,
+        prefill_tokens: int,
+        decode_tokens: int,
+        previous: float | None,
+        lora_loads: int = 0,
     ) -> float:
         """The deadline of a step planned at ``started_at`` right after a step that ended at
         ``previous`` (None: the engine was idle in between). A GPU server's CPU work between
@@ -74,7 +82,7 @@ class StepClock:
         start = started_at
         if previous is not None:
             start = max(previous, started_at - self.costs.step_ms / 1000.0)
-        return start + self.duration(prefill_tokens, decode_tokens)
+        return start + self.duration(prefill_tokens, decode_tokens, lora_loads)
 
 
 NO_STEP_TIME = StepCosts()

@@ -11,13 +11,28 @@ from app.models.tokenizer import StreamDecoder
 
 class StopStringMatcher:
     """Feed decoded text; get back the text safe to emit and whether a stop string was hit.
-    After a hit, the emitted text ends right before the stop string."""
+    After a hit, the emitted text ends right before the stop string.
 
-    def __init__(self, stops: list[str]) -> None:
+    With ``min_tokens``, ``feed_tokens`` decodes the first ``min_tokens - 1`` tokens one by one
+    and never searches their text, so a stop string can end the request only from its
+    ``min_tokens``-th token on. The engine's stop condition and the API's text cut both use
+    it, token by token, so they agree."""
+
+    def __init__(self, stops: list[str], min_tokens: int = 0) -> None:
         self.stops = stops
         self._hold = max((len(s) for s in stops), default=1) - 1
         self._pending = ""
+        self._unsearched = max(min_tokens - 1, 0)  # tokens whose text is never searched
         self.hit = False
+
+    def feed_tokens(self, decoder: StreamDecoder, tokens: list[int]) -> str:
+        """Decode ``tokens`` with ``decoder`` and ``feed`` the text (see ``min_tokens``)."""
+        if not self._unsearched or not self.stops:
+            return self.feed(decoder.feed(tokens))
+        skipped = min(self._unsearched, len(tokens))
+        self._unsearched -= skipped
+        text = "".join(decoder.feed(tokens[i : i + 1]) for i in range(skipped))
+        return text + (self.feed(decoder.feed(tokens[skipped:])) if skipped < len(tokens) else "")
 
     def feed(self, text: str) -> str:
         if not self.stops:
@@ -48,10 +63,10 @@ class StopStrings:
 
     __slots__ = ("_decoder", "_matcher")
 
-    def __init__(self, stops: list[str], decoder: StreamDecoder) -> None:
+    def __init__(self, stops: list[str], decoder: StreamDecoder, min_tokens: int = 0) -> None:
         self._decoder = decoder
-        self._matcher = StopStringMatcher(stops)
+        self._matcher = StopStringMatcher(stops, min_tokens)
 
     def feed(self, tokens: list[int]) -> bool:
-        self._matcher.feed(self._decoder.feed(tokens))
+        self._matcher.feed_tokens(self._decoder, tokens)
         return self._matcher.hit

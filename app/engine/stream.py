@@ -12,6 +12,7 @@ import asyncio
 from dataclasses import dataclass
 
 from app.engine.types import FinishReason, Sequence
+from app.models.protocol import Logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +22,7 @@ class Delta:
     tokens: list[int]
     finish_reason: FinishReason | None = None
     error: BaseException | None = None
+    logprobs: list[Logprobs | None] | None = None  # one per token, when the request asked
 
 
 class RequestStream:
@@ -65,11 +67,16 @@ class RequestStream:
         while len(seq.tokens) == self._read and seq.finish_reason is None:
             self._event.clear()
             await self._event.wait()
-        tokens = seq.tokens[self._read :]
-        self._read = len(seq.tokens)
+        start = self._read
+        tokens = seq.tokens[start:]
+        self._read = start + len(tokens)
         if seq.finish_reason is not None:
             self._done = True
-        return Delta(tokens, seq.finish_reason, seq.error)
+        if seq.logprobs is None:
+            return Delta(tokens, seq.finish_reason, seq.error)
+        first = start - seq.prompt_len
+        logprobs = seq.logprobs[first : first + len(tokens)]
+        return Delta(tokens, seq.finish_reason, seq.error, logprobs)
 
     async def collect(self) -> tuple[list[int], FinishReason, BaseException | None]:
         """Wait for the end; return all generated tokens, the finish reason and any error."""

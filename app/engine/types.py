@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 from typing import TYPE_CHECKING, Protocol
 
-from app.models.protocol import DEFAULT_SAMPLING, SamplingParams
+from app.models.protocol import DEFAULT_SAMPLING, Logprobs, SamplingParams
 
 if TYPE_CHECKING:
     from app.engine.prefix_cache import PrefixState
@@ -55,6 +55,33 @@ class StopCondition(Protocol):
     def feed(self, tokens: list[int]) -> bool: ...
 
 
+class TokenConstraint(Protocol):
+    """A request's output grammar (structured outputs, tool calls): which tokens may come next.
+    Implemented by ``app.structured.grammar.GrammarMatcher``. The runner reads it before a
+    model call (``mask`` or ``choose``) and the scheduler advances it with each accepted token
+    (``accept``); it has then consumed exactly the request's generated tokens, so a preempted
+    request resumes with it as it was (nothing is replayed). Dropped when the request ends."""
+
+    def mask(self) -> bytes:
+        """The allowed next tokens: bit t (byte t // 8, bit t % 8) set for an allowed token t."""
+        ...
+
+    def choose(self, preferred: int) -> int:
+        """For a model that cannot apply a mask: ``preferred`` if allowed, else an allowed token
+        (deterministic, steering toward completing the structure). The token it returns is
+        still to be ``accept``-ed (or, if it is dropped, forgotten by the next call)."""
+        ...
+
+    def accept(self, token: int) -> bool:
+        """Advance past ``token``; False if the grammar forbids it."""
+        ...
+
+    @property
+    def finished(self) -> bool:
+        """The grammar has ended: nothing more may be generated."""
+        ...
+
+
 @dataclass(slots=True)
 class Timestamps:
     """``time.monotonic()`` readings of one request's life, for latency metrics and logs."""
@@ -89,7 +116,9 @@ class Sequence:
     priority: int = 0
     sampling: SamplingParams = DEFAULT_SAMPLING
     stop: StopCondition | None = None
+    constraint: TokenConstraint | None = None  # its output grammar (None: unconstrained)
     user: str | None = None
+    lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
     prompt_len: int = 0
     token_limit: int = 0  # len(tokens) at which max_tokens is reached
     status: RequestStatus = RequestStatus.WAITING
@@ -109,10 +138,28 @@ class Sequence:
     finish_reason: FinishReason | None = None
     error: BaseException | None = None
     times: Timestamps = field(default_factory=Timestamps)
+    # log probabilities, when asked: ``logprobs[i]`` of generated token i; ``prompt_logprobs[p]``
+    # of prompt token p (None at 0, which has none), filled as the prefill runs
+    logprobs: list[Logprobs | None] | None = None
+    prompt_logprobs: list[Logprobs | None] | None = None
+    # every token goes through the full end rules (stop strings, min_tokens, log probabilities)
+    slow: bool = False
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.tokens)
         self.token_limit = self.prompt_len + self.max_tokens
+        sampling = self.sampling
+        if sampling.logprobs is not None:
+            self.logprobs = []
+        if sampling.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+        self.slow = self.stop is not None or sampling.min_tokens > 0 or self.logprobs is not None
+
+    @property
+    def prompt_logprobs_done(self) -> bool:
+        """Whether every prompt token's log-probability is known (or none was asked for)."""
+        found = self.prompt_logprobs
+        return found is None or len(found) >= self.prompt_len
 
     @property
     def num_generated(self) -> int:

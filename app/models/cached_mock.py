@@ -6,7 +6,15 @@ from collections.abc import Sequence
 
 from app.models.mock import MockBase
 from app.models.mock_language import MockLanguage
-from app.models.protocol import StepBatch
+from app.models.mock_sampling import choose, prompt_logprobs, synthetic
+from app.models.protocol import (
+    Logprobs,
+    PrefillChunk,
+    SamplingParams,
+    StepBatch,
+    StepResult,
+    TokenHistory,
+)
 
 
 class SlotReuseError(RuntimeError):
@@ -72,3 +80,56 @@ class CachedMockModel(MockBase):
             raise SlotReuseError(f"slot {slot}: chunk starts at {start}, cache holds {held}")
         cache.extend(tokens)
         return cache
+
+    def step_sampled(self, batch: StepBatch) -> StepResult:
+        """``step`` for a batch where some row's sampling is not plain: each token is chosen
+        and reported as ``app.models.mock_sampling`` describes."""
+        logprobs: list[Logprobs | None] = []
+        prompts: dict[str, tuple[int, list[Logprobs]]] = {}
+        result = StepResult([], logprobs, prompts)
+        rows = zip(batch.decode_slots, batch.decode_tokens, batch.decode_sampling, strict=True)
+        for i, (slot, token, params) in enumerate(rows):
+            cache = self._cache[slot]
+            if not cache:
+                raise SlotReuseError(f"slot {slot} decoded without a prefilled request")
+            cache.append(token)
+            history = batch.decode_histories[i] if batch.decode_histories else None
+            self._sample(cache, params, history, result.tokens, logprobs)
+        for chunk in batch.prefills:
+            cache = self._prefill(chunk.slot, chunk.token_ids, chunk.start, chunk.prefix)
+            self._prompt_logprobs(chunk, prompts)
+            if chunk.sample:
+                self._sample(cache, chunk.sampling, chunk.history, result.tokens, logprobs)
+        return result
+
+    def _sample(
+        self,
+        cache: list[int],
+        params: SamplingParams,
+        history: TokenHistory | None,
+        tokens: list[int],
+        logprobs: list[Logprobs | None],
+    ) -> None:
+        vocab = self.language.vocab_size
+        token = self.language.next_token(cache)
+        if history is not None:
+            token = choose(token, params, history, vocab)
+        tokens.append(token)
+        top = params.logprobs
+        logprobs.append(None if top is None else synthetic(token, token, top, vocab))
+
+    def _prompt_logprobs(
+        self, chunk: PrefillChunk, out: dict[str, tuple[int, list[Logprobs]]]
+    ) -> None:
+        vocab = self.language.vocab_size
+        top, history = chunk.sampling.prompt_logprobs, chunk.history
+        if top is None or history is None:
+            return
+        first = chunk.start + 1
+        end = min(chunk.start + len(chunk.token_ids) + 1, history.prompt_len)
+        if first < end:
+            tokens = history.tokens
+            out[chunk.request_id] = (
+                first,
+                prompt_logprobs(self.language.next_token, tokens, first, end, top, vocab),
+            )

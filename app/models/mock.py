@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
+
 from app.models.mock_language import MockLanguage
+from app.models.mock_sampling import sample_rows
+from app.models.protocol import SampledRow, StepResult
 
 
 class MockBase:
@@ -23,8 +27,12 @@ class MockBase:
 class MockModel(MockBase):
     """``next_tokens(batch)`` with the seed's contract: each entry is a full prefix, one next
     token comes back per entry. Deterministic for a given ``language`` (see ``MockLanguage``);
-    it keeps no state between calls."""
+    it keeps no state between calls. ``next_tokens_for`` honours the rows' sampling as
+    ``app.models.mock_sampling`` describes."""
 
     def next_tokens(self, batch: list[list[int]]) -> list[int]:
         next_token = self.language.next_token
         return [next_token(prefix) for prefix in batch]
+
+    def next_tokens_for(self, rows: Seq[SampledRow]) -> StepResult:
+        return sample_rows(self.language.next_token, rows, self.language.vocab_size)

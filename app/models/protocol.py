@@ -23,7 +23,7 @@ model's: a model computes and returns as fast as it can.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 
@@ -43,14 +43,109 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     min_p: float = 0.0
+    # Logits processors (app/models/hf/logits_processors.py), all off by default. Penalties as
+    # OpenAI and vLLM define them: frequency and presence over the generated tokens,
+    # repetition (divides a positive logit, multiplies a negative one) over prompt + output.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    min_tokens: int = 0  # no stop token nor stop string ends the request before this many
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never completed
+    allowed_token_ids: tuple[int, ...] | None = None  # sample only among these
+    # Log probabilities: of each sampled token plus this many most likely alternatives (0:
+    # the sampled token's only); of each prompt token after the first, plus alternatives.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # derived once (the engine reads it for every row of a changed batch)
+    plain: bool = field(default=True, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        """``plain``: no processor, no log probabilities: the model only samples."""
+        plain = not self.processes_logits and self.logprobs is None and self.prompt_logprobs is None
+        object.__setattr__(self, "plain", plain)
 
     @property
     def is_default(self) -> bool:
         return self == DEFAULT_SAMPLING
 
+    @property
+    def processes_logits(self) -> bool:
+        """Whether a logits processor applies to this request (penalties, bias, bans, ...)."""
+        return (
+            self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+            or bool(self.bad_words)
+            or self.allowed_token_ids is not None
+        )
 
+    @property
+    def constrains_choice(self) -> bool:
+        """Whether some tokens may be forbidden (what the mocks obey): a min_tokens stop ban,
+        a bias of -100 or below, bad words, an allow-list."""
+        return (
+            self.min_tokens > 0
+            or any(bias <= BAN_BIAS for _, bias in self.logit_bias)
+            or bool(self.bad_words)
+            or self.allowed_token_ids is not None
+        )
+
+
+BAN_BIAS = -100.0  # a logit_bias at or below this bans its token (OpenAI: -100)
 DEFAULT_SAMPLING = SamplingParams()
 GREEDY = SamplingParams(temperature=0.0)
+
+
+class TokenHistory(Protocol):
+    """One request's tokens as a model may read them to sample (penalties, ``min_tokens``,
+    bad words): ``tokens`` is the prompt followed by every generated token, a live list the
+    engine appends to between steps (read it, never modify or keep it); ``stop_token_ids`` are
+    the ids that would end it. The engine's ``Sequence`` is one, handed over as is (no copy)."""
+
+    @property
+    def tokens(self) -> list[int]: ...
+
+    @property
+    def prompt_len(self) -> int: ...
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]: ...
+
+
+class SampledRow(TokenHistory, Protocol):
+    """A row a stateless model samples with its request's parameters (``next_tokens_for``)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def sampling(self) -> SamplingParams: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Logprobs:
+    """The log-probability of one token (sampled, or a prompt token) and the ``top`` most
+    likely tokens at its position, most likely first, as (token id, log-probability)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What a model returns instead of a plain token list when a row asked for log
+    probabilities. ``tokens`` as for a list; ``logprobs[i]`` belongs to ``tokens[i]`` (None for
+    a row that did not ask). ``prompt_logprobs`` maps a request id to ``(position, entries)``:
+    the log-probabilities of that request's prompt tokens at ``position``, ``position + 1``,
+    ... (each given the tokens before it), for the prompt positions this step computed."""
+
+    tokens: list[int]
+    logprobs: list[Logprobs | None] | None = None
+    prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +162,11 @@ class PrefillChunk:
     computed). Only a model with ``supports_prefix_caching = True`` ever gets a prefix.
     ``sample`` is True when the chunk completes the prefill: the model then returns one
     token for this entry, sampled from the logits at the chunk's last position; a partial chunk
-    returns nothing. ``request_id`` identifies the request (for per-request sampling state such
+    returns nothing. With ``sampling.prompt_logprobs`` set, the model also returns (in a
+    ``StepResult``) the log-probabilities of the prompt tokens at positions ``start + 1`` up to
+    ``start + len(token_ids)`` that lie before ``history.prompt_len`` (each given the tokens
+    before it; the engine skips the prefix cache for such requests). ``request_id`` identifies
+    the request (for per-request sampling state such
     as a seeded generator; it changes whenever the slot is reused).
     """
 
@@ -78,6 +177,7 @@ class PrefillChunk:
     sampling: SamplingParams
     request_id: str
     prefix: Seq[int] = ()
+    history: TokenHistory | None = None  # the request's tokens (see ``TokenHistory``)
 
     @property
     def fresh(self) -> bool:
@@ -93,11 +193,17 @@ class StepBatch:
     the number of tokens its cache holds; the model appends it to the cache and samples the next
     token with ``decode_sampling[i]``. ``decode_request_ids[i]`` names the request in that slot.
     ``prefills`` are the prefill chunks of this step (their slots never also appear in
-    ``decode_slots``). The decode lists may be shared with the engine between steps: never
-    modify them.
+    ``decode_slots``). ``decode_histories[i]`` is the request's token history (the engine always
+    gives it; a hand-built batch may leave it empty when no row processes logits). The decode
+    lists may be shared with the engine between steps: never modify them.
 
     The model returns ``len(decode_slots) + number of prefills with sample=True`` token ids:
     first one per decode slot, in order, then one per sampling prefill chunk, in order.
+
+    ``token_masks`` (only for a model with ``applies_token_masks = True``; empty when no row is
+    constrained) has one entry per output row, in that order: None, or the bitmask of the tokens
+    the row may sample (bit t = byte t // 8, bit t % 8; bits past the vocabulary are clear).
+    The model must sample each masked row among its allowed tokens.
     """
 
     decode_slots: Seq[int]
@@ -105,6 +211,8 @@ class StepBatch:
     decode_sampling: Seq[SamplingParams]
     decode_request_ids: Seq[str]
     prefills: Seq[PrefillChunk]
+    decode_histories: Seq[TokenHistory] = ()  # per decode slot, when the engine gives them
+    token_masks: Seq[bytes | None] = ()
 
     @property
     def num_outputs(self) -> int:
@@ -120,7 +228,12 @@ class StepBatch:
 class StatelessModel(Protocol):
     def next_tokens(self, batch: list[list[int]]) -> list[int]:
         """``batch[i]`` is one sequence's whole prefix (prompt + generated so far). Returns one
-        next token per entry, in the same order. Must not modify the lists it is given."""
+        next token per entry, in the same order. Must not modify the lists it is given.
+
+        A stateless model may also define ``next_tokens_for(rows: Sequence[SampledRow]) ->
+        list[int] | StepResult``: the engine then calls it instead whenever a row's sampling is
+        not ``plain`` (a row whose ``tokens`` are exactly its prompt completes its first
+        prefill: its prompt log-probabilities go there, keyed by ``request_id``)."""
         ...
 
 
@@ -129,7 +242,11 @@ class CachedModel(Protocol):
     def step(self, batch: StepBatch) -> list[int]:
         """Process ``batch`` in one batched call and return the sampled tokens (see
         ``StepBatch`` for the order). On an exception the engine ends exactly the requests of
-        this batch and releases their slots; the model must still accept ``release`` for them."""
+        this batch and releases their slots; the model must still accept ``release`` for them.
+
+        A cached model may also define ``step_sampled(batch) -> StepResult``: the engine then
+        calls it instead whenever a row's sampling is not ``plain`` (logits processors, log
+        probabilities), so ``step`` stays the fast path."""
         ...
 
     def release(self, slot: int) -> None:
@@ -145,6 +262,13 @@ def supports_prefix_caching(model: object) -> bool:
     if isinstance(model, CachedModel):
         return getattr(model, "supports_prefix_caching", False) is True
     return isinstance(model, StatelessModel)
+
+
+def applies_token_masks(model: object) -> bool:
+    """Whether ``model`` samples under ``StepBatch.token_masks`` (an optional class attribute
+    ``applies_token_masks = True``). For any other model the engine's runner makes the model's
+    token obey the request's grammar (``TokenConstraint.choose``)."""
+    return getattr(model, "applies_token_masks", False) is True
 
 
 Model = StatelessModel | CachedModel

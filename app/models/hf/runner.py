@@ -7,13 +7,26 @@ token per decode slot and per chunk that completes a prefill.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from app.models.hf import logits_processors, logprobs
 from app.models.hf.attention import StepLayout
 from app.models.hf.kv_cache import KVCache
 from app.models.hf.llama import LlamaForward
 from app.models.hf.sampling import Sampler
-from app.models.protocol import PrefillChunk, SamplingParams, StepBatch
+from app.models.hf.token_mask import apply_token_masks
+from app.models.protocol import (
+    Logprobs,
+    PrefillChunk,
+    SamplingParams,
+    StepBatch,
+    StepResult,
+    TokenHistory,
+)
+
+PromptRows = list[tuple[PrefillChunk, int]]  # a chunk scored for prompt logprobs, its rows
 
 
 class SlotStateError(RuntimeError):
@@ -26,6 +39,7 @@ class HFModel:
     engine runs ``step`` and ``release`` in its worker thread."""
 
     blocking = True
+    applies_token_masks = True  # samples under StepBatch.token_masks (structured outputs)
 
     def __init__(self, forward: LlamaForward, sampler: Sampler) -> None:
         self._forward = forward
@@ -54,18 +68,52 @@ class HFModel:
             return []
         logits, params, positions = self._run(batch)
         with torch.inference_mode():
-            logits = self._before_sampling(logits, params, positions)
+            logits = self._before_sampling(logits, params, positions, batch.token_masks)
             return self._sampler.sample(logits, params, positions)
 
+    def step_sampled(self, batch: StepBatch) -> StepResult:
+        """``step`` for a batch where some row's sampling is not plain: the logits processors
+        (``logits_processors``) run on the sampled rows before the sampler; log probabilities
+        (``app.models.hf.logprobs``) are taken after them; a chunk whose request asked for
+        prompt log probabilities gets logits for its prompt positions too."""
+        if not batch.decode_slots and not batch.prefills:
+            return StepResult([])
+        prompt_rows: PromptRows = []
+        logits, params, positions = self._run(batch, prompt_rows)
+        sampled = len(params)
+        histories: list[TokenHistory | None] = list(batch.decode_histories)
+        histories += [None] * (len(batch.decode_slots) - len(histories))
+        histories += [c.history for c in batch.prefills if c.sample]
+        with torch.inference_mode():
+            rows = logits[:sampled]
+            logits_processors.process(rows, params, histories)  # stage 1
+            rows = self._before_sampling(rows, params, positions, batch.token_masks)  # 2.
+            tokens = self._sampler.sample(rows, params, positions)
+            wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+            found = logprobs.entries(
+                rows[wanted], [tokens[i] for i in wanted], [params[i].logprobs or 0 for i in wanted]
+            )
+            per_row: list[Logprobs | None] = [None] * sampled
+            for i, entry in zip(wanted, found, strict=True):
+                per_row[i] = entry
+            prompts = _prompt_logprobs(logits[sampled:], prompt_rows)
+        return StepResult(tokens, per_row, prompts or None)
+
     def _before_sampling(
-        self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        positions: list[int],
+        token_masks: Sequence[bytes | None] = (),
     ) -> torch.Tensor:
         """THE place where the stages between the forward and the draw run, in this order,
         each over the float32 logits (rows, vocab) of the step's output rows and skipped
         entirely when no row needs it: 1. logits processors (penalties, logit_bias, min_tokens,
         bad_words, allowed_token_ids), 2. grammar token masks, 3. logprobs capture. Returns the
-        logits the ``Sampler`` draws from (none of these stages exists yet: unchanged)."""
+        logits the ``Sampler`` draws from. ``token_masks``: ``StepBatch.token_masks``."""
         del params, positions
+        if token_masks:  # 2. grammar token masks (structured outputs)
+            apply_token_masks(logits, token_masks)
         return logits
 
     def step_logits(self, batch: StepBatch) -> torch.Tensor:
@@ -73,9 +121,13 @@ class HFModel:
         logits of its output rows instead of sampling (for tests and benchmarks)."""
         return self._run(batch)[0]
 
-    def _run(self, batch: StepBatch) -> tuple[torch.Tensor, list[SamplingParams], list[int]]:
+    def _run(
+        self, batch: StepBatch, prompt_rows: PromptRows | None = None
+    ) -> tuple[torch.Tensor, list[SamplingParams], list[int]]:
         """One forward pass; returns the output rows' logits, sampling parameters and the
-        positions the sampled tokens will take."""
+        positions the sampled tokens will take. With ``prompt_rows``, the logits of the prompt
+        positions of chunks that asked for prompt log probabilities follow the sampled rows
+        (in the order of the chunks appended to ``prompt_rows``)."""
         lengths = self.cache.lengths
         decode_slots = list(batch.decode_slots)
         decode_positions = [lengths[slot] for slot in decode_slots]
@@ -93,12 +145,20 @@ class HFModel:
         rows = list(range(len(tokens)))
         params: list[SamplingParams] = list(batch.decode_sampling)
         positions = [p + 1 for p in decode_positions]
+        scored: list[tuple[PrefillChunk, int]] = []
         for chunk in batch.prefills:
+            scored.append((chunk, len(tokens)))
             tokens.extend(chunk.token_ids)
             if chunk.sample:
                 rows.append(len(tokens) - 1)
                 params.append(chunk.sampling)
                 positions.append(chunk.start + len(chunk.token_ids))
+        if prompt_rows is not None:
+            for chunk, offset in scored:
+                count = _prompt_positions(chunk)
+                if count:
+                    prompt_rows.append((chunk, count))
+                    rows.extend(range(offset, offset + count))
         with torch.inference_mode():
             logits = self._forward(
                 torch.tensor(tokens, device=self.device),
@@ -127,3 +187,32 @@ class HFModel:
             raise SlotStateError(
                 f"slot {slot}: {length} positions exceed the context of {self.cache.context}"
             )
+
+
+def _prompt_positions(chunk: PrefillChunk) -> int:
+    """How many prompt tokens after ``chunk``'s start its rows predict (for prompt logprobs):
+    the row at position p predicts the token at p + 1, up to the prompt's last token."""
+    history = chunk.history
+    if chunk.sampling.prompt_logprobs is None or history is None:
+        return 0
+    end = min(chunk.start + len(chunk.token_ids), history.prompt_len - 1)
+    return max(end - chunk.start, 0)
+
+
+def _prompt_logprobs(
+    logits: torch.Tensor, prompt_rows: PromptRows
+) -> dict[str, tuple[int, list[Logprobs]]]:
+    """The prompt log probabilities of ``prompt_rows``' chunks from their rows' logits."""
+    out: dict[str, tuple[int, list[Logprobs]]] = {}
+    row = 0
+    for chunk, count in prompt_rows:
+        assert chunk.history is not None
+        first = chunk.start + 1
+        targets = chunk.history.tokens[first : first + count]
+        top = chunk.sampling.prompt_logprobs or 0
+        out[chunk.request_id] = (
+            first,
+            logprobs.entries(logits[row : row + count], targets, [top] * count),
+        )
+        row += count
+    return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +33,14 @@ class HFTokenizer:
     def stop_token_ids(self) -> frozenset[int]:
         return self._stop
 
+    def backend_json(self) -> str:
+        """The ``tokenizers`` JSON of this tokenizer, without padding or truncation (the grammar
+        engine builds its vocabulary from it)."""
+        backend = copy.copy(self._tok.backend_tokenizer)
+        backend.no_padding()
+        backend.no_truncation()
+        return str(backend.to_str())
+
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text))
 
@@ -54,6 +63,22 @@ class HFTokenizer:
             return list(self._tok.encode(str(text), add_special_tokens=False))
         lines = [f"{role}: {content}" for role, content in messages]
         return self.encode("\n".join([*lines, "assistant: "]))
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the checkpoint's chat template renders tools (it reads a ``tools`` variable)."""
+        template = getattr(self._tok, "chat_template", None)
+        return isinstance(template, str) and "tools" in template
+
+    def chat_prompt_with_tools(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+    ) -> list[int]:
+        """The chat template applied to OpenAI-shaped messages (``tool_calls`` with arguments as
+        objects, ``tool`` messages) and ``tools``, with the assistant's turn opened."""
+        text = self._tok.apply_chat_template(
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=True
+        )
+        return list(self._tok.encode(str(text), add_special_tokens=False))
 
 
 class HFStreamDecoder:

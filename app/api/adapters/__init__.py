@@ -1,0 +1,2 @@
+"""Protocol adapters over one internal request and one output stream (``app.api.generation``):
+the Anthropic Messages API (``anthropic``) and OpenAI's Responses API (``responses``)."""

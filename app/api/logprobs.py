@@ -1,0 +1,115 @@
+"""Log probabilities in OpenAI's shapes (and vLLM's ``prompt_logprobs``), rendered from the
+engine's ``Logprobs`` entries. A token's text is the tokenizer's decoding of that token alone.
+
+- Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
+  "bytes"}, ...]}], "refusal": null}``, ``top_logprobs`` holding the request's
+  ``top_logprobs`` most likely tokens.
+- Completions (the legacy shape): ``{"tokens", "token_logprobs", "top_logprobs",
+  "text_offset"}``, where each ``top_logprobs`` entry maps a token's text to its log-probability
+  for the ``logprobs`` most likely tokens plus the chosen one (as vLLM does), and an echoed
+  prompt's first token has ``null`` for both.
+- ``prompt_logprobs`` (vLLM): one entry per prompt token, ``null`` for the first, else
+  ``{token id: {"logprob", "decoded_token"}}`` for the prompt token and the most likely ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from app.models.protocol import Logprobs
+from app.models.tokenizer import Tokenizer
+
+_NEG_INF = -9999.0  # JSON has no -inf: a token the processors banned shows this (as vLLM)
+
+
+def _value(logprob: float) -> float:
+    return logprob if logprob > _NEG_INF else _NEG_INF
+
+
+class TokenText:
+    """Each token's text, decoded once per response."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._decode = tokenizer.decode
+        self._cache: dict[int, str] = {}
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        """Several tokens' text, decoded together."""
+        return self._decode(tokens)
+
+    def __call__(self, token: int) -> str:
+        text = self._cache.get(token)
+        if text is None:
+            text = self._cache[token] = self._decode([token])
+        return text
+
+
+def chat_content(
+    tokens: Sequence[int], entries: Sequence[Logprobs | None], text: TokenText, top: int
+) -> list[dict[str, Any]]:
+    """The ``content`` list of a chat choice's ``logprobs`` for ``tokens``."""
+    out: list[dict[str, Any]] = []
+    for token, entry in zip(tokens, entries, strict=False):
+        logprob = entry.logprob if entry is not None else 0.0
+        alternatives = entry.top[:top] if entry is not None else ()
+        out.append(
+            _chat_token(text(token), logprob)
+            | {"top_logprobs": [_chat_token(text(t), lp) for t, lp in alternatives]}
+        )
+    return out
+
+
+def _chat_token(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": _value(logprob), "bytes": list(token.encode())}
+
+
+class CompletionLogprobs:
+    """Builds the completions ``logprobs`` object piece by piece (``text_offset`` counts the
+    characters of the tokens rendered before, starting at ``offset``)."""
+
+    def __init__(self, text: TokenText, top: int, offset: int = 0) -> None:
+        self.text, self.top, self.offset = text, top, offset
+
+    def render(self, tokens: Sequence[int], entries: Sequence[Logprobs | None]) -> dict[str, Any]:
+        out: dict[str, list[Any]] = {
+            "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []
+        }  # fmt: skip
+        for token, entry in zip(tokens, entries, strict=False):
+            piece = self.text(token)
+            out["tokens"].append(piece)
+            out["text_offset"].append(self.offset)
+            self.offset += len(piece)
+            if entry is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            top: dict[str, float] = {}
+            for t, lp in entry.top[: self.top]:  # most likely first: a shared text keeps it
+                top.setdefault(self.text(t), _value(lp))
+            top.setdefault(piece, _value(entry.logprob))
+            out["token_logprobs"].append(_value(entry.logprob))
+            out["top_logprobs"].append(top)
+        return out
+
+
+def prompt_logprobs(
+    prompt: Sequence[int], entries: Sequence[Logprobs | None] | None, text: TokenText
+) -> list[dict[str, Any] | None] | None:
+    """vLLM's ``prompt_logprobs``: None for the first token; the token and its alternatives."""
+    if entries is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for position, token in enumerate(prompt):
+        entry = entries[position] if position < len(entries) else None
+        if entry is None:
+            out.append(None)
+            continue
+        found = {str(t): _prompt_entry(lp, text(t)) for t, lp in entry.top}
+        found.setdefault(str(token), _prompt_entry(entry.logprob, text(token)))
+        out.append(found)
+    return out
+
+
+def _prompt_entry(logprob: float, token: str) -> dict[str, Any]:
+    return {"logprob": _value(logprob), "decoded_token": token}

@@ -1,0 +1,88 @@
+"""``POST /tokenize`` and ``POST /detokenize``, in vLLM's shapes.
+
+- ``/tokenize``: a ``prompt`` (text, encoded as a completion prompt is) or chat ``messages``
+  (through the model's chat template, the assistant's turn opened as for a chat completion);
+  answers ``{"count", "max_model_len", "tokens", "token_strs"}`` (``token_strs``: each token's
+  text, with ``return_token_strs: true``; else null).
+- ``/detokenize``: ``tokens`` -> ``{"prompt": text}``; an id outside the vocabulary is a 400.
+
+``model``, when given, must be the served model (404 otherwise), as on the OpenAI routes.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+from app.api.deps import ServingDep
+from app.api.errors import APIError, model_not_found
+from app.api.native import ERROR_RESPONSES
+from app.api.schemas import ChatMessage, Text, TokenId
+from app.serving import Serving
+
+router = APIRouter(tags=["tokenizer"])
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: StrictBool | None = None  # only the route's default is honoured
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Text | None = None
+    tokens: list[TokenId]
+
+
+def _check_model(serving: Serving, model: str | None) -> None:
+    if model is not None and model != serving.settings.model_name:
+        raise model_not_found(model, serving.settings.model_name)
+
+
+@router.post("/tokenize", responses=ERROR_RESPONSES)
+async def tokenize(body: TokenizeRequest, serving: ServingDep) -> dict[str, Any]:
+    """The token ids of a prompt or a chat, as the generation routes would feed them."""
+    _check_model(serving, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give either prompt or messages", param="prompt",
+                       code="invalid_value")  # fmt: skip
+    tokenizer = serving.tokenizer
+    if body.messages is not None:
+        _only(body.add_special_tokens, False, "add_special_tokens")
+        _only(body.add_generation_prompt, True, "add_generation_prompt")
+        tokens = tokenizer.chat_prompt([(m.role, m.text()) for m in body.messages])
+    else:
+        assert body.prompt is not None
+        _only(body.add_special_tokens, True, "add_special_tokens")
+        tokens = tokenizer.encode(body.prompt)
+    strs = [tokenizer.decode([t]) for t in tokens] if body.return_token_strs else None
+    return {"count": len(tokens), "max_model_len": serving.settings.max_model_len,
+            "tokens": tokens, "token_strs": strs}  # fmt: skip
+
+
+@router.post("/detokenize", responses=ERROR_RESPONSES)
+async def detokenize(body: DetokenizeRequest, serving: ServingDep) -> dict[str, Any]:
+    """The text of token ids (special tokens skipped, as in generated text)."""
+    _check_model(serving, body.model)
+    vocab = serving.tokenizer.vocab_size
+    bad = next((t for t in body.tokens if t >= vocab), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})",
+                       param="tokens", code="invalid_token_id")  # fmt: skip
+    return {"prompt": serving.tokenizer.decode(body.tokens)}
+
+
+def _only(value: bool | None, default: bool, param: str) -> None:
+    """This server applies each route's default only (the tokenizer protocol has no switch)."""
+    if value is not None and value != default:
+        raise APIError(400, f"{param} can only be {str(default).lower()} here", param=param,
+                       code="unsupported_parameter")  # fmt: skip

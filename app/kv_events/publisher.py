@@ -1,0 +1,250 @@
+"""The engine's KV-event sink: a ZeroMQ PUB socket (and a ROUTER socket for replays) served by
+one background thread, fed through a bounded queue, so the engine never waits on a subscriber.
+
+Wire protocol (vLLM's ``ZmqEventPublisher``):
+
+- PUB: each batch is a 3-frame message ``(topic, seq, payload)``: ``seq`` an 8-byte big-endian
+  sequence number, one per batch, and ``payload`` the msgpack ``KVEventBatch``.
+- Replay (ROUTER): a client sends ``(b"", start_seq)`` (a REQ socket adds the empty frame; a
+  DEALER sends it) and receives, for every buffered batch with ``seq >= start_seq``, the frames
+  ``(b"", seq, payload)``, then an end marker ``(b"", -1 as 8 signed bytes, b"")``. The buffer
+  keeps the last ``buffer_steps`` batches.
+
+The engine numbers each batch when it hands it over. A batch that finds the queue full is
+dropped (``dropped`` counts it) and its number is never sent, so subscribers see the gap; a
+replay starting inside a gap returns what follows it. A PUB socket itself drops messages for a
+subscriber past its high-water mark, which is also a gap the replay covers.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import re
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+import zmq
+
+from app.engine.prefix_cache import CacheEvent, CacheEventKind
+from app.kv_events.hashing import BlockHasher, HashAlgo, external
+from app.kv_events.schema import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    MapAllBlocksCleared,
+    MapBlockRemoved,
+    MapBlockStored,
+    MapKVEventBatch,
+)
+
+ARRAY = (KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared)
+MAP = (MapKVEventBatch, MapBlockStored, MapBlockRemoved, MapAllBlocksCleared)
+
+log = logging.getLogger("slotserve.kv_events")
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+ENDPOINT = re.compile(
+    r"^(tcp://(\*|\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.:-]+):\d{1,5}|ipc://.+|inproc://.+)$"
+)
+POLL_SECONDS = 0.05  # the thread's wake-up period while idle (serves replays meanwhile)
+# Once a batch arrives, the thread waits this long for more and sends them all in one go: one
+# wake-up (and one hand-over of the GIL by the engine) per period instead of one per step.
+COALESCE_SECONDS = 0.005
+
+
+class KVEventsError(Exception):
+    """The endpoints cannot be used (a malformed address, a port in use): refused at start."""
+
+
+def check_endpoint(endpoint: str) -> str:
+    """``endpoint`` if it is a ZeroMQ address vLLM's publisher takes (tcp://HOST:PORT,
+    ipc://PATH, inproc://NAME), else ValueError."""
+    if not ENDPOINT.match(endpoint) or (
+        endpoint.startswith("tcp://") and not 1 <= int(endpoint.rsplit(":", 1)[1]) <= 65535
+    ):
+        raise ValueError(
+            f"{endpoint!r} is not a ZeroMQ endpoint (tcp://*:5557, tcp://HOST:PORT, ipc://PATH "
+            "or inproc://NAME)"
+        )
+    return endpoint
+
+
+def offset_endpoint_port(endpoint: str, rank: int) -> str:
+    """vLLM's rule for data-parallel rank ``rank``: tcp ports are offset by the rank, inproc
+    and ipc names get a ``_dp<rank>`` suffix."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        base, port = endpoint.rsplit(":", 1)
+        return f"{base}:{int(port) + rank}"
+    return f"{endpoint}_dp{rank}"
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsConfig:
+    """vLLM's ``KVEventsConfig`` fields that apply here, plus the hashing scheme."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 10_000
+    block_size: int = 16
+    hash_algo: HashAlgo = "sha256"
+    hash_seed: str = "0"
+    int_hashes: bool = True
+    encoding: Literal["array", "map"] = "array"  # vLLM's array-like structs, or recent maps
+
+
+def _bind_or_connect(socket: zmq.Socket[bytes], endpoint: str) -> None:
+    """vLLM's convention: bind a wildcard, ipc or inproc address, connect to any other."""
+    wildcard = "*" in endpoint or "::" in endpoint
+    if wildcard or endpoint.startswith(("ipc://", "inproc://")):
+        socket.bind(endpoint)
+    else:
+        socket.connect(endpoint)
+
+
+class KVEventPublisher:
+    """Publishes the prefix cache's changes, one ``KVEventBatch`` per engine step.
+
+    ``publish`` is called on the engine's thread and only enqueues (O(events), no hashing, no
+    encoding, no I/O); the thread hashes, encodes, sends and answers replays. Construction
+    binds the sockets (``KVEventsError`` if it cannot); ``close`` stops the thread."""
+
+    def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0) -> None:
+        self.config = config
+        self.rank = data_parallel_rank
+        self.endpoint = offset_endpoint_port(config.endpoint, data_parallel_rank)
+        replay = config.replay_endpoint
+        self.replay_endpoint = None if replay is None else offset_endpoint_port(replay, self.rank)
+        self.dropped = 0  # batches the full queue refused (never sent: a gap in ``seq``)
+        self.published = 0  # batches sent on the PUB socket
+        self.errors = 0  # batches the thread failed to send (logged)
+        self._next_seq = 0
+        self._queue: queue.Queue[tuple[int, float, list[CacheEvent]] | None] = queue.Queue(
+            config.max_queue_size
+        )
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._hasher = BlockHasher(config.hash_algo, config.hash_seed)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._structs = ARRAY if config.encoding == "array" else MAP
+        self._topic = config.topic.encode()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._pub, self._replay = self._open_sockets()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="slotserve-kv-events", daemon=True)
+        self._thread.start()
+
+    def _open_sockets(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None]:
+        pub = self._ctx.socket(zmq.PUB)
+        replay: zmq.Socket[bytes] | None = None
+        try:
+            pub.set_hwm(self.config.hwm)
+            _bind_or_connect(pub, self.endpoint)
+            if self.replay_endpoint is not None:
+                replay = self._ctx.socket(zmq.ROUTER)
+                replay.bind(self.replay_endpoint)
+        except zmq.ZMQError as err:
+            pub.close(linger=0)
+            if replay is not None:
+                replay.close(linger=0)
+            self._ctx.term()
+            where = self.endpoint if replay is None else f"{self.endpoint} / {self.replay_endpoint}"
+            raise KVEventsError(f"KV events: cannot open {where}: {err}") from None
+        return pub, replay
+
+    # --- the engine's side ------------------------------------------------------------------
+
+    def publish(self, events: list[CacheEvent]) -> None:
+        """Hand one step's events over (never blocks: a full queue drops them, counted)."""
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
+        try:
+            self._queue.put_nowait((seq, time.time(), events))
+        except queue.Full:
+            self.dropped += 1
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Send what is queued (for up to ``timeout`` seconds), then close the sockets."""
+        self._stopping.set()
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self._ctx.term()
+
+    # --- the thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                if self._replay is not None:
+                    try:
+                        self._serve_replays()
+                    except zmq.ZMQError:  # one client's trouble: logged, the thread goes on
+                        log.exception("KV events: a replay request failed")
+                try:
+                    item = self._queue.get(timeout=POLL_SECONDS)
+                except queue.Empty:
+                    if self._stopping.is_set():
+                        return
+                    continue
+                if not self._stopping.is_set():
+                    time.sleep(COALESCE_SECONDS)
+                while item is not None:
+                    self._send(*item)
+                    try:
+                        item = self._queue.get_nowait()
+                    except queue.Empty:
+                        item = None
+        finally:
+            self._pub.close(linger=0)
+            if self._replay is not None:
+                self._replay.close(linger=0)
+
+    def _send(self, seq: int, ts: float, events: list[CacheEvent]) -> None:
+        try:
+            batch = self._structs[0](ts, [self._event(e) for e in events], self.rank)
+            payload = self._encoder.encode(batch)
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        except Exception:
+            if not self.errors:
+                log.exception("KV events: a batch could not be sent (logged once)")
+            self.errors += 1
+            return
+        self._buffer.append((seq, payload))
+        self.published += 1
+
+    def _event(self, event: CacheEvent) -> Any:
+        as_int, digest = self.config.int_hashes, self._hasher.digest
+        _, stored, removed, cleared = self._structs
+        if event.kind is CacheEventKind.STORED:
+            first = event.blocks[0]
+            parent = None if first.parent is None else external(digest(first.parent), as_int)
+            tokens = [t for block in event.blocks for t in block.tokens]
+            hashes = [external(digest(block), as_int) for block in event.blocks]
+            return stored(hashes, parent, tokens, self.config.block_size, None, MEDIUM_GPU,
+                          first.lora)  # fmt: skip
+        if event.kind is CacheEventKind.REMOVED:
+            return removed([external(digest(b), as_int) for b in event.blocks], MEDIUM_GPU)
+        return cleared()
+
+    def _serve_replays(self) -> None:
+        assert self._replay is not None
+        while self._replay.poll(0):
+            frames = self._replay.recv_multipart()
+            if len(frames) != 3:
+                log.warning("KV events: a replay request of %d frames ignored", len(frames))
+                continue
+            client, _, start = frames
+            first = int.from_bytes(start, "big")
+            for seq, payload in list(self._buffer):
+                if seq >= first:
+                    self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+            self._replay.send_multipart((client, b"", END_SEQ, b""))

@@ -1,0 +1,85 @@
+"""vLLM's KV-cache event schema (``vllm/distributed/kv_events.py``), written from its source.
+
+A batch is a msgpack array ``[ts, [event, ...], data_parallel_rank]``; each event is a tagged
+array whose first item is the class name: ``["BlockStored", block_hashes, parent_block_hash,
+token_ids, block_size, lora_id, medium, lora_name]``, ``["BlockRemoved", block_hashes,
+medium]``, ``["AllBlocksCleared"]``. This is the ``array_like`` layout vLLM has published since
+KV events appeared (and that llm-d's KV-cache manager and Dynamo decode). Block hashes are
+64-bit integers by default (vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) or the raw
+digest bytes.
+
+Recent vLLM encodes the same structs as maps instead (no ``array_like``): a batch is
+``{"ts", "events", "data_parallel_rank"}`` and an event ``{"type": "BlockStored",
+"block_hashes": ..., ...}``; ``Map*`` below (``--kv-events-encoding map``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+MEDIUM_GPU = "GPU"
+ExternalBlockHash = bytes | int
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base class of the events (tagged by class name)."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+class MapKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base class of the map-encoded events (tagged by the ``type`` key)."""
+
+
+class MapBlockStored(MapKVCacheEvent, tag="BlockStored"):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class MapBlockRemoved(MapKVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+
+
+class MapAllBlocksCleared(MapKVCacheEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class MapKVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
+    ts: float
+    events: list[MapBlockStored | MapBlockRemoved | MapAllBlocksCleared]
+    data_parallel_rank: int | None = None

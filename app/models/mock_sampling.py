@@ -1,0 +1,105 @@
+"""How the mocks honour a request's sampling parameters and report log probabilities.
+
+The mocks' text is fixed by their language (``MockLanguage``), so parameters that only reshape a
+distribution (temperature, top-k/top-p/min-p, penalties, a positive or mild logit bias) have no
+effect on it. What forbids tokens is obeyed: the stop tokens while fewer than ``min_tokens``
+tokens were generated, a ``logit_bias`` of -100 or less, ``bad_words`` and
+``allowed_token_ids``. When the language's token is forbidden, the mock deterministically takes
+the first allowed one of: a space, then the ids after the predicted one (wrapping around).
+
+Log probabilities come from a synthetic distribution centred on the chosen token: it has
+probability 1/2, the token ``i`` ids after it (modulo the vocabulary) probability 2**-(i+1).
+So the chosen token is always the most likely, and every value is deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+
+from app.models.protocol import (
+    BAN_BIAS,
+    Logprobs,
+    SampledRow,
+    SamplingParams,
+    StepResult,
+    TokenHistory,
+)
+
+SPACE = ord(" ")
+LN2 = math.log(2.0)
+NextToken = Callable[[Seq[int]], int]
+
+
+def banned_tokens(params: SamplingParams, history: TokenHistory) -> set[int]:
+    """The tokens ``params`` forbids as the next token of ``history`` (allow-list aside)."""
+    banned = {token for token, bias in params.logit_bias if bias <= BAN_BIAS}
+    tokens, prompt_len = history.tokens, history.prompt_len
+    generated = len(tokens) - prompt_len
+    if generated < params.min_tokens:
+        banned.update(history.stop_token_ids)
+    for word in params.bad_words:
+        head = len(word) - 1
+        if head == 0 or (generated >= head and list(word[:head]) == tokens[len(tokens) - head :]):
+            banned.add(word[-1])
+    return banned
+
+
+def choose(predicted: int, params: SamplingParams, history: TokenHistory, vocab: int) -> int:
+    """``predicted``, or the first allowed token after it in the mock's fallback order."""
+    if not params.constrains_choice:
+        return predicted
+    banned = banned_tokens(params, history)
+    allowed = params.allowed_token_ids
+
+    def ok(token: int) -> bool:
+        return token not in banned and (allowed is None or token in allowed)
+
+    if ok(predicted):
+        return predicted
+    if vocab > SPACE and ok(SPACE):
+        return SPACE
+    for step in range(1, vocab):
+        candidate = (predicted + step) % vocab
+        if ok(candidate):
+            return candidate
+    return predicted  # everything is forbidden (the API refuses such requests)
+
+
+def synthetic(chosen: int, token: int, top: int, vocab: int) -> Logprobs:
+    """``token``'s log-probability under the distribution centred on ``chosen``, with the
+    ``top`` most likely tokens of that distribution."""
+    rank = (token - chosen) % vocab
+    alternatives = tuple(((chosen + i) % vocab, -(i + 1) * LN2) for i in range(min(top, vocab)))
+    return Logprobs(token, -(rank + 1) * LN2, alternatives)
+
+
+def prompt_logprobs(
+    next_token: NextToken, tokens: Seq[int], first: int, end: int, top: int, vocab: int
+) -> list[Logprobs]:
+    """The log-probabilities of ``tokens[first:end]``, each given the tokens before it (the
+    language's prediction there is the distribution's centre)."""
+    return [
+        synthetic(next_token(tokens[:position]), tokens[position], top, vocab)
+        for position in range(max(first, 1), end)
+    ]
+
+
+def sample_rows(next_token: NextToken, rows: Seq[SampledRow], vocab: int) -> StepResult:
+    """The stateless mock's ``next_tokens_for``: each row's token, chosen and reported."""
+    tokens: list[int] = []
+    logprobs: list[Logprobs | None] = []
+    prompts: dict[str, tuple[int, list[Logprobs]]] = {}
+    for row in rows:
+        params, prefix = row.sampling, row.tokens
+        token = choose(next_token(prefix), params, row, vocab)
+        tokens.append(token)
+        top = params.logprobs
+        logprobs.append(None if top is None else synthetic(token, token, top, vocab))
+        if params.prompt_logprobs is not None and len(prefix) == row.prompt_len:
+            entries = prompt_logprobs(
+                next_token, prefix, 1, row.prompt_len, params.prompt_logprobs, vocab
+            )
+            prompts[row.request_id] = (1, entries)
+    return StepResult(tokens, logprobs, prompts or None)

@@ -1,0 +1,221 @@
+"""Sampling parameters and log probabilities over the OpenAI routes, with both mocks.
+
+The mocks obey what forbids tokens (``min_tokens`` against stop tokens and stop strings,
+``logit_bias`` bans, ``allowed_token_ids``, ``bad_words``) and report a synthetic distribution
+in which the chosen token is the most likely (``app/models/mock_sampling.py``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from conftest import ClientFactory
+from sse import parse_sse
+
+from app.models.cached_mock import CachedMockModel
+from app.models.mock import MockModel
+from app.models.protocol import Model
+
+MESSAGE = {"role": "user", "content": "hi"}
+LN2 = math.log(2)
+
+
+def flat(lists: Any) -> list[Any]:
+    return [item for part in lists for item in part]
+
+
+def mocks() -> list[Model]:
+    return [MockModel(), CachedMockModel(8)]
+
+
+async def _completion(client: Any, **body: Any) -> dict[str, Any]:
+    r = await client.post("/v1/completions", json={"prompt": "Tell me ", **body})
+    assert r.status_code == 200, r.text
+    result: dict[str, Any] = r.json()
+    return result
+
+
+@pytest.mark.parametrize("model", mocks(), ids=["mock", "cached-mock"])
+async def test_bans_and_allow_lists_change_the_mock_text_and_nothing_else(
+    make_client: ClientFactory, model: Model
+) -> None:
+    async with make_client(model, num_slots=8) as client:
+        plain = (await _completion(client, max_tokens=40))["choices"][0]["text"]
+        assert "e" in plain
+        banned = await _completion(client, max_tokens=40, logit_bias={str(ord("e")): -100})
+        assert "e" not in banned["choices"][0]["text"]
+        mild = await _completion(client, max_tokens=40, logit_bias={str(ord("e")): -5})
+        assert mild["choices"][0]["text"] == plain  # reshapes a distribution: no effect
+        allowed = await _completion(client, max_tokens=6, allowed_token_ids=[65, 66])
+        assert set(allowed["choices"][0]["text"]) <= {"A", "B"}
+        penalties = await _completion(
+            client, max_tokens=40, frequency_penalty=1.5, presence_penalty=-1,
+            repetition_penalty=1.3, min_p=0.1,
+        )  # fmt: skip
+        assert penalties["choices"][0]["text"] == plain
+
+
+@pytest.mark.parametrize("model", mocks(), ids=["mock", "cached-mock"])
+async def test_min_tokens_holds_against_the_stop_token_and_stop_strings(
+    make_client: ClientFactory, model: Model
+) -> None:
+    async with make_client(model, num_slots=8) as client:
+        serving = client.serving  # type: ignore[attr-defined]
+        serving.model.language = type(serving.model.language)(stop_probability=0.9)
+        short = await _completion(client, max_tokens=200)
+        assert (
+            short["usage"]["completion_tokens"] < 30
+            and short["choices"][0]["finish_reason"] == "stop"
+        )
+        held = await _completion(client, max_tokens=200, min_tokens=60)
+        assert held["usage"]["completion_tokens"] >= 60
+        stopped = await _completion(client, max_tokens=200, stop=[" "], min_tokens=12)
+        choice = stopped["choices"][0]
+        assert choice["finish_reason"] == "stop" and stopped["usage"]["completion_tokens"] >= 12
+        assert " " not in choice["text"][-1:]
+
+
+async def test_chat_logprobs_whole_and_streamed_agree(make_client: ClientFactory) -> None:
+    body = {"messages": [MESSAGE], "max_tokens": 12, "logprobs": True, "top_logprobs": 3}
+    async with make_client() as client:
+        whole = (await client.post("/v1/chat/completions", json=body)).json()
+        content = whole["choices"][0]["logprobs"]["content"]
+        assert "".join(c["token"] for c in content) == whole["choices"][0]["message"]["content"]
+        for entry in content:
+            assert entry["logprob"] == pytest.approx(-LN2)
+            tops = entry["top_logprobs"]
+            assert len(tops) == 3 and tops[0]["token"] == entry["token"]
+            assert [t["logprob"] for t in tops] == sorted(
+                (t["logprob"] for t in tops), reverse=True
+            )
+            assert entry["bytes"] == list(entry["token"].encode())
+        r = await client.post("/v1/chat/completions", json=body | {"stream": True})
+        chunks = [e.data for e in parse_sse(r.text)[:-1]]
+        streamed = flat((c["choices"][0]["logprobs"] or {}).get("content", []) for c in chunks)
+        assert streamed == content
+
+
+async def test_completion_logprobs_shape_whole_and_streamed(make_client: ClientFactory) -> None:
+    async with make_client() as client:
+        whole = await _completion(client, max_tokens=10, logprobs=2)
+        lp = whole["choices"][0]["logprobs"]
+        assert "".join(lp["tokens"]) == whole["choices"][0]["text"]
+        assert lp["text_offset"] == [
+            sum(map(len, lp["tokens"][:i])) for i in range(len(lp["tokens"]))
+        ]
+        for token, value, top in zip(
+            lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True
+        ):
+            assert max(top, key=top.get) == token and top[token] == value
+        r = await client.post(
+            "/v1/completions",
+            json={"prompt": "Tell me ", "max_tokens": 10, "logprobs": 2, "stream": True},
+        )
+        chunks = [e.data["choices"][0]["logprobs"] for e in parse_sse(r.text)[:-1]]
+        assert flat(c["tokens"] for c in chunks) == lp["tokens"]
+        assert flat(c["text_offset"] for c in chunks) == lp["text_offset"]
+
+
+@pytest.mark.parametrize("model", mocks(), ids=["mock", "cached-mock"])
+async def test_echo_with_max_tokens_0_scores_the_prompt(
+    make_client: ClientFactory, model: Model
+) -> None:
+    """What lm-evaluation-harness sends for a loglikelihood request."""
+    async with make_client(model, num_slots=8, max_num_batched_tokens=8) as client:  # chunked
+        prompt = list(b"The quick brown fox jumps")
+        body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}
+        result = await _completion(client, **body)
+        choice = result["choices"][0]
+        assert choice["text"] == "The quick brown fox jumps" and choice["finish_reason"] == "length"
+        assert result["usage"]["completion_tokens"] == 0
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(prompt) and lp["token_logprobs"][0] is None
+        assert all(v is not None and v < 0 for v in lp["token_logprobs"][1:])
+        prompt_lp = choice["prompt_logprobs"]
+        assert prompt_lp[0] is None and len(prompt_lp) == len(prompt)
+        for token, value, entry in zip(
+            prompt[1:], lp["token_logprobs"][1:], prompt_lp[1:], strict=True
+        ):
+            assert entry[str(token)]["logprob"] == value
+        again = await _completion(client, **body)
+        assert again["choices"][0]["logprobs"] == lp  # deterministic
+        streamed = await client.post(
+            "/v1/completions", json={"prompt": prompt, **body, "stream": True}
+        )
+        chunks = [e.data["choices"][0] for e in parse_sse(streamed.text)[:-1]]
+        assert "".join(c["text"] for c in chunks) == choice["text"]
+        assert flat(c["logprobs"]["token_logprobs"] for c in chunks) == lp["token_logprobs"]
+
+
+async def test_chat_prompt_logprobs_next_to_the_choices(make_client: ClientFactory) -> None:
+    async with make_client() as client:
+        body = {"messages": [MESSAGE], "max_tokens": 3, "prompt_logprobs": 0}
+        result = (await client.post("/v1/chat/completions", json=body)).json()
+        assert result["prompt_logprobs"][0] is None
+        assert len(result["prompt_logprobs"]) == result["usage"]["prompt_tokens"]
+        assert result["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [
+        ("/v1/completions", {"logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"logprobs": True}, "logprobs"),
+        ("/v1/completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+        ("/v1/completions", {"logit_bias": {"257": -100}}, "logit_bias"),
+        ("/v1/completions", {"logit_bias": {"a": 1}}, "logit_bias.a"),
+        ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias.5"),
+        ("/v1/completions", {"allowed_token_ids": [300]}, "allowed_token_ids"),
+        ("/v1/completions", {"allowed_token_ids": []}, "allowed_token_ids"),
+        ("/v1/completions", {"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ("/v1/completions", {"min_tokens": -1}, "min_tokens"),
+        ("/v1/completions", {"frequency_penalty": 2.5}, "frequency_penalty"),
+        ("/v1/completions", {"presence_penalty": -3}, "presence_penalty"),
+        ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+        ("/v1/completions", {"min_p": 1.5}, "min_p"),
+        ("/v1/completions", {"bad_words": [""]}, "bad_words.0"),
+    ],
+)
+async def test_bad_sampling_input_is_a_400_naming_the_field(
+    make_client: ClientFactory, path: str, extra: dict[str, Any], param: str
+) -> None:
+    body: dict[str, Any] = {"max_tokens": 4}
+    body |= {"prompt": "hi"} if path == "/v1/completions" else {"messages": [MESSAGE]}
+    async with make_client() as client:
+        r = await client.post(path, json=body | extra)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param, r.text
+
+
+async def test_bad_words_are_never_completed(make_client: ClientFactory) -> None:
+    async with make_client() as client:
+        plain = (await _completion(client, max_tokens=60))["choices"][0]["text"]
+        word = next(w for w in plain.split() if len(w) > 2)
+        result = await _completion(client, max_tokens=60, bad_words=[word])
+        assert word not in result["choices"][0]["text"]
+
+
+async def test_native_generate_takes_the_sampling_fields(make_client: ClientFactory) -> None:
+    async with make_client() as client:
+        body = {"prompt": "Tell me ", "max_tokens": 20, "stream": False,
+                "logit_bias": {str(ord("e")): -100}, "min_tokens": 20}  # fmt: skip
+        result = (await client.post("/generate", json=body)).json()
+        assert len(result["tokens"]) == 20 and "e" not in result["text"]
+
+
+async def test_logprobs_under_a_grammar_still_put_the_chosen_token_first(
+    make_client: ClientFactory,
+) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    json_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    body = {"messages": [MESSAGE], "max_tokens": 40, "n": 2, "logprobs": True,
+            "top_logprobs": 2, "response_format": json_schema}  # fmt: skip
+    async with make_client() as client:
+        result = (await client.post("/v1/chat/completions", json=body)).json()
+    for choice in result["choices"]:
+        content = choice["logprobs"]["content"]
+        assert "".join(entry["token"] for entry in content) == choice["message"]["content"]
+        assert all(entry["top_logprobs"][0]["token"] == entry["token"] for entry in content)

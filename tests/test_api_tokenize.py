@@ -1,0 +1,36 @@
+"""``/tokenize`` and ``/detokenize`` in vLLM's shapes, with the mock's byte tokenizer."""
+
+from __future__ import annotations
+
+from conftest import ClientFactory
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+async def test_tokenize_a_prompt_and_a_chat_as_the_generation_routes_do(
+    make_client: ClientFactory,
+) -> None:
+    async with make_client(max_model_len=512) as client:
+        r = await client.post("/tokenize", json={"prompt": "hé", "return_token_strs": True})
+        assert r.json() == {"count": 3, "max_model_len": 512, "tokens": [104, 195, 169],
+                            "token_strs": ["h", "\ufffd", "\ufffd"]}  # fmt: skip
+        chat = (await client.post("/tokenize", json={"messages": MESSAGES})).json()
+        reply = await client.post("/v1/chat/completions", json={"messages": MESSAGES})
+        assert chat["count"] == reply.json()["usage"]["prompt_tokens"]
+        assert chat["token_strs"] is None
+        text = (await client.post("/detokenize", json={"tokens": chat["tokens"]})).json()
+        assert text == {"prompt": "user: hi\nassistant: "}
+
+
+async def test_tokenizer_routes_refuse_bad_input(make_client: ClientFactory) -> None:
+    async with make_client() as client:
+        r = await client.post("/detokenize", json={"tokens": [1, 257]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+        r = await client.post("/tokenize", json={"prompt": "a", "messages": MESSAGES})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        r = await client.post("/tokenize", json={})
+        assert r.status_code == 400
+        r = await client.post("/tokenize", json={"prompt": "a", "add_special_tokens": False})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_tokens"
+        r = await client.post("/tokenize", json={"prompt": "a", "model": "other"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

@@ -1,0 +1,489 @@
+"""KV events (``--kv-events-endpoint``): a pyzmq subscriber decodes every batch with vLLM's
+event schema (written here from ``vllm/distributed/kv_events.py``, independently of
+app/kv_events/schema.py) and keeps the books: blocks stored minus blocks removed equal the
+prefix cache's contents, with the hashes a router computes from token ids (vLLM's
+``hash_block_tokens``, reimplemented here). Replays fill a missed sequence; nothing about events
+can stall or kill the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import pickle
+import random
+import threading
+from pathlib import Path
+from typing import Any
+
+import cbor2
+import msgspec
+import pytest
+import zmq
+
+from app.cli import parse
+from app.config import Settings
+from app.engine.core import EngineConfig
+from app.engine.engine import Engine
+from app.engine.prefix_cache import CachedBlock, CacheEvent
+from app.engine.types import Sequence
+from app.kv_events.hashing import BlockHasher
+from app.kv_events.publisher import KVEventPublisher, KVEventsConfig, KVEventsError
+from app.models.cached_mock import CachedMockModel
+from app.serving import Serving
+
+BS = 4
+
+
+# --- vLLM's schema, as its source defines it ---------------------------------------------------
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int | bytes]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+class Recent:
+    """Recent vLLM's schema: the same structs without ``array_like`` (maps), with the fields
+    it added since (defaults, omitted when unset)."""
+
+    class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+        pass
+
+    class BlockStored(KVCacheEvent, tag="BlockStored"):  # (nested: its own name as the tag)
+        block_hashes: list[int | bytes]
+        parent_block_hash: int | bytes | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+        lora_name: str | None
+        extra_keys: list[tuple[Any, ...] | None] | None = None
+        group_idx: int | None = None
+        kv_cache_spec_kind: str | None = None
+        kv_cache_spec_sliding_window: int | None = None
+
+    class BlockRemoved(KVCacheEvent, tag="BlockRemoved"):
+        block_hashes: list[int | bytes]
+        medium: str | None
+        group_idx: int | None = None
+
+    class AllBlocksCleared(KVCacheEvent, tag="AllBlocksCleared"):
+        pass
+
+    class KVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
+        ts: float
+        events: list[Recent.BlockStored | Recent.BlockRemoved | Recent.AllBlocksCleared]
+        data_parallel_rank: int | None = None
+
+
+# --- vLLM's block hash, reimplemented ----------------------------------------------------------
+
+
+def vllm_hashes(
+    tokens: list[int], algo: str = "sha256", seed: str = "0", lora: str | None = None
+) -> list[int]:
+    def h(value: Any) -> bytes:
+        if algo == "sha256":
+            return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+        return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
+
+    parent, out, extra = h(seed), [], None if lora is None else (lora,)
+    for start in range(0, len(tokens) - BS + 1, BS):
+        parent = h((parent, tuple(tokens[start : start + BS]), extra))
+        out.append(int.from_bytes(parent, "big") & ((1 << 64) - 1))
+    return out
+
+
+def chain_tokens(block: CachedBlock) -> list[int]:
+    links: list[CachedBlock] = []
+    node: CachedBlock | None = block
+    while node is not None:
+        links.append(node)
+        node = node.parent
+    return [t for link in reversed(links) for t in link.tokens]
+
+
+# --- a subscriber -----------------------------------------------------------------------------
+
+
+class Subscriber:
+    """SUB + DEALER (replay) sockets; ``batches`` by sequence number."""
+
+    def __init__(
+        self, endpoint: str, replay: str, topic: bytes = b"", decoder: Any = DECODER
+    ) -> None:
+        self.decoder = decoder
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self.sub.connect(endpoint)
+        self.replay = self.ctx.socket(zmq.DEALER)
+        self.replay.connect(replay)
+        self.batches: dict[int, Any] = {}
+        self.topics: set[bytes] = set()
+
+    def receive(self, timeout_ms: int = 50) -> int:
+        """Take every message the SUB socket has; returns how many."""
+        got = 0
+        while self.sub.poll(timeout_ms):
+            topic, seq, payload = self.sub.recv_multipart()
+            self.topics.add(topic)
+            self.batches[int.from_bytes(seq, "big")] = self.decoder.decode(payload)
+            got += 1
+        return got
+
+    def replay_from(self, start: int) -> list[int]:
+        """Ask for every buffered batch from ``start``; returns the sequence numbers replayed."""
+        self.replay.send_multipart((b"", start.to_bytes(8, "big")))
+        seqs: list[int] = []
+        while True:
+            assert self.replay.poll(5000), "no replay answer"
+            empty, seq_bytes, payload = self.replay.recv_multipart()
+            assert empty == b""
+            seq = int.from_bytes(seq_bytes, "big", signed=True)
+            if seq == -1:
+                assert payload == b""
+                return seqs
+            self.batches[seq] = self.decoder.decode(payload)
+            seqs.append(seq)
+
+    def close(self) -> None:
+        self.sub.close(linger=0)
+        self.replay.close(linger=0)
+        self.ctx.term()
+
+    def books(self, rank: int = 0) -> set[int | bytes]:
+        """Stored minus removed over every batch in order; checks each batch's shape."""
+        held: set[int | bytes] = set()
+        for seq in sorted(self.batches):
+            batch = self.batches[seq]
+            assert batch.data_parallel_rank == rank
+            for event in batch.events:
+                kind = type(event).__name__
+                if kind == "BlockStored":
+                    assert event.parent_block_hash is None or event.parent_block_hash in held
+                    assert len(event.token_ids) == BS * len(event.block_hashes)
+                    assert event.block_size == BS and event.medium == "GPU"
+                    assert not held & set(event.block_hashes)
+                    held |= set(event.block_hashes)
+                elif kind == "BlockRemoved":
+                    assert set(event.block_hashes) <= held
+                    held -= set(event.block_hashes)
+                else:
+                    assert kind == "AllBlocksCleared"
+                    held.clear()
+        return held
+
+
+def config(tmp_path: Path, **kw: Any) -> KVEventsConfig:
+    return KVEventsConfig(f"ipc://{tmp_path}/kv", f"ipc://{tmp_path}/replay", block_size=BS, **kw)
+
+
+def engine_config() -> EngineConfig:
+    return EngineConfig(
+        num_slots=6, max_waiting=1000, max_num_batched_tokens=24, block_size=BS,
+        kv_cache_tokens=40 * BS, max_model_len=30 * BS, enable_prefix_caching=True,
+        kv_events=True,
+    )  # fmt: skip
+
+
+def workload(n: int, rng: random.Random) -> list[Sequence]:
+    """Prompts sharing one of three prefixes (2-5 blocks), plus own tails."""
+    heads = [[rng.randrange(1, 250) for _ in range(rng.randrange(2, 6) * BS)] for _ in range(3)]
+    seqs = []
+    for i in range(n):
+        tail = [rng.randrange(1, 250) for _ in range(rng.randrange(0, 3 * BS))]
+        seqs.append(Sequence(f"r{i}", [*rng.choice(heads), *tail, 1], rng.randrange(1, 9),
+                             frozenset({0})))  # fmt: skip
+    return seqs
+
+
+async def run(engine: Engine, seqs: list[Sequence]) -> None:
+    streams = [engine.submit(seq) for seq in seqs]
+    await asyncio.gather(*(stream.collect() for stream in streams))
+
+
+def expected_books(engine: Engine) -> set[int | bytes]:
+    cache = engine.core.scheduler.prefix_cache
+    assert cache is not None
+    return {vllm_hashes(chain_tokens(b), lora=b.lora)[-1] for b in cache.blocks()}
+
+
+async def settle(publisher: KVEventPublisher, sub: Subscriber) -> None:
+    """Receive until the subscriber holds every batch the engine numbered (replaying what the
+    SUB socket missed: its first batches go out before it has joined)."""
+    last = publisher._next_seq - 1
+    for _ in range(200):
+        await asyncio.to_thread(sub.receive, 20)
+        if last in sub.batches:
+            break
+    missing = set(range(last + 1)) - set(sub.batches)
+    if missing:
+        sub.replay_from(min(missing))
+    assert set(sub.batches) == set(range(last + 1))
+
+
+async def test_the_books_balance_after_a_shared_prefix_workload(tmp_path: Path) -> None:
+    publisher = KVEventPublisher(config(tmp_path, topic="kv@test"))
+    sub = Subscriber(publisher.endpoint, str(publisher.replay_endpoint), b"kv@")
+    engine = Engine(CachedMockModel(6), engine_config(), kv_events=publisher)
+    await engine.start()
+    try:
+        await run(engine, workload(60, random.Random(1)))
+        await settle(publisher, sub)
+        books = sub.books()
+        assert books == expected_books(engine)
+        assert len(books) > 5
+        kinds = {type(e) for b in sub.batches.values() for e in b.events}
+        assert kinds == {BlockStored, BlockRemoved}  # the workload overflows the cache
+        assert sub.topics == {b"kv@test"}
+        assert publisher.dropped == 0
+        # a reset: the free blocks go, and an idle cache is cleared in one event
+        assert await engine.reset_prefix_cache()
+        await settle(publisher, sub)
+        assert isinstance(sub.batches[max(sub.batches)].events[-1], AllBlocksCleared)
+        assert sub.books() == set() == expected_books(engine)
+    finally:
+        await engine.stop()
+        publisher.close()
+        sub.close()
+
+
+async def test_recent_vllms_map_encoding_balances_the_books_too(tmp_path: Path) -> None:
+    publisher = KVEventPublisher(config(tmp_path, encoding="map"))
+    decoder = msgspec.msgpack.Decoder(Recent.KVEventBatch)
+    sub = Subscriber(publisher.endpoint, str(publisher.replay_endpoint), decoder=decoder)
+    engine = Engine(CachedMockModel(6), engine_config(), kv_events=publisher)
+    await engine.start()
+    try:
+        await run(engine, workload(30, random.Random(5)))
+        await settle(publisher, sub)
+        assert sub.books() == expected_books(engine)
+        first = msgspec.msgpack.decode(publisher._buffer[0][1])
+        assert set(first) == {"ts", "events", "data_parallel_rank"}
+        assert first["events"][0]["type"] == "BlockStored"
+    finally:
+        await engine.stop()
+        publisher.close()
+        sub.close()
+
+
+async def test_a_subscriber_that_missed_batches_gets_them_replayed(tmp_path: Path) -> None:
+    publisher = KVEventPublisher(config(tmp_path))
+    sub = Subscriber(publisher.endpoint, str(publisher.replay_endpoint))
+    engine = Engine(CachedMockModel(6), engine_config(), kv_events=publisher)
+    await engine.start()
+    rng = random.Random(2)
+    try:
+        await run(engine, workload(20, rng))
+        await settle(publisher, sub)
+        seen = max(sub.batches)
+        sub.sub.close(linger=0)  # it goes away; the engine goes on
+        await run(engine, workload(20, rng))
+        sub.sub = sub.ctx.socket(zmq.SUB)
+        sub.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.sub.connect(publisher.endpoint)
+        assert publisher._next_seq - 1 > seen
+        replayed = sub.replay_from(seen + 1)
+        assert replayed == list(range(seen + 1, publisher._next_seq))
+        assert sub.books() == expected_books(engine)
+    finally:
+        await engine.stop()
+        publisher.close()
+        sub.close()
+
+
+async def test_a_replay_from_before_the_buffer_starts_where_it_starts(tmp_path: Path) -> None:
+    publisher = KVEventPublisher(config(tmp_path, buffer_steps=3))
+    sub = Subscriber(publisher.endpoint, str(publisher.replay_endpoint))
+    engine = Engine(CachedMockModel(6), engine_config(), kv_events=publisher)
+    await engine.start()
+    try:
+        await run(engine, workload(20, random.Random(3)))
+        last = publisher._next_seq - 1
+        for _ in range(200):  # the thread has sent the last batch once it is in the buffer
+            if any(seq == last for seq, _ in list(publisher._buffer)):
+                break
+            await asyncio.sleep(0.01)
+        assert sub.replay_from(0) == [last - 2, last - 1, last]  # a gap the client can see
+    finally:
+        await engine.stop()
+        publisher.close()
+        sub.close()
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
+def test_block_hashes_follow_vllm(algo: str) -> None:
+    tokens = list(range(3, 3 + 5 * BS + 2))
+    hasher = BlockHasher(algo, "42")  # type: ignore[arg-type]
+    ours = [int.from_bytes(d, "big") & ((1 << 64) - 1) for d in hasher.token_hashes(tokens, BS)]
+    assert ours == vllm_hashes(tokens, algo, "42")
+    parent = None
+    for i in range(5):  # the memoized chain hash of cache blocks agrees
+        parent = CachedBlock(i, parent, tuple(tokens[i * BS : (i + 1) * BS]))
+    assert parent is not None
+    assert hasher.digest(parent) == hasher.token_hashes(tokens, BS)[-1]
+
+
+async def test_lora_blocks_are_their_adapters_own(tmp_path: Path) -> None:
+    """The same prompt under two adapters and the base model: three chains, hashed with the
+    adapter's name as vLLM's extra key, ``lora_name`` on each ``BlockStored``."""
+    publisher = KVEventPublisher(config(tmp_path))
+    sub = Subscriber(publisher.endpoint, str(publisher.replay_endpoint))
+    engine_cfg = dataclasses.replace(engine_config(), max_loras=2)
+    engine = Engine(CachedMockModel(6), engine_cfg, kv_events=publisher)
+    await engine.start()
+    try:
+        prompt = [*range(10, 10 + 3 * BS), 1]
+        seqs = [Sequence(f"r{i}", list(prompt), 2, frozenset({0}), lora=lora)
+                for i, lora in enumerate((None, "sql", "chat"))]  # fmt: skip
+        await run(engine, seqs)
+        await settle(publisher, sub)
+        stored = [e for b in sub.batches.values() for e in b.events if isinstance(e, BlockStored)]
+        names: dict[str | None, list[int | bytes]] = {}
+        for event in stored:  # (chunked prefill: a prompt's blocks over several events)
+            names.setdefault(event.lora_name, []).extend(event.block_hashes)
+        assert set(names) == {None, "sql", "chat"}
+        for lora, hashes in names.items():
+            assert hashes == vllm_hashes(prompt, lora=lora)
+        assert sub.books() == expected_books(engine)
+    finally:
+        await engine.stop()
+        publisher.close()
+        sub.close()
+
+
+class Exploding:
+    def publish(self, events: list[CacheEvent]) -> None:
+        raise RuntimeError("boom")
+
+
+async def test_a_failing_sink_is_contained_and_counted() -> None:
+    engine = Engine(CachedMockModel(6), engine_config(), kv_events=Exploding())
+    await engine.start()
+    try:
+        seqs = workload(10, random.Random(4))
+        await run(engine, seqs)
+        assert all(s.finish_reason is not None and s.error is None for s in seqs)
+        assert engine.core.observer_errors["publish:RuntimeError"] > 0
+    finally:
+        await engine.stop()
+
+
+def test_a_full_queue_drops_and_counts_without_blocking(tmp_path: Path) -> None:
+    publisher = KVEventPublisher(config(tmp_path, max_queue_size=1))
+    gate = threading.Event()
+    original = publisher._send
+
+    def stuck(*args: Any) -> None:
+        gate.wait(5)
+        original(*args)
+
+    publisher._send = stuck  # type: ignore[method-assign,assignment]
+    try:
+        for _ in range(5):
+            publisher.publish([])
+        assert 3 <= publisher.dropped <= 4  # one in the thread's hands, at most one queued
+    finally:
+        gate.set()
+        publisher.close()
+
+
+def test_bad_endpoints_are_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--kv-events-endpoint", "tcp://nowhere", "--enable-prefix-caching"],
+                 ["--kv-events-endpoint", "tcp://*:5557"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse(["serve", *argv])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "--kv-events-endpoint" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--kv-events-endpoint", "ipc:///tmp/kv", "--kv-events-replay-endpoint", "ipc:///tmp/kv"],
+         "ipc:///tmp/kv is used twice"),
+        (["--kv-events-endpoint", "inproc://kv", "--kv-events-replay-endpoint", "inproc://kv_dp1",
+          "--data-parallel-size", "2"], "inproc://kv_dp1 is used twice"),
+        (["--kv-events-endpoint", "tcp://*:5557", "--kv-events-replay-endpoint", "tcp://*:5558",
+          "--data-parallel-size", "2"], "port 5558 is used twice"),
+        (["--kv-events-endpoint", "tcp://*:8660", "--port", "8660"], "takes --port 8660"),
+        (["--kv-events-endpoint", "tcp://*:5557", "--kv-events-replay-endpoint",
+          "tcp://127.0.0.1:8661", "--port", "8661"], "takes --port 8661"),
+    ],
+)  # fmt: skip
+def test_endpoint_clashes_are_refused_in_one_line(
+    flags: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review finding 6: PUB and replay on one ipc path were accepted (the ROUTER's bind took
+    the path, subscribers got nothing), and a KV-event port equal to --port failed later with
+    uvicorn's generic address-in-use."""
+    with pytest.raises(SystemExit):
+        parse(["serve", "--enable-prefix-caching", *flags])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert says in err and "-endpoint" in err
+
+
+def test_a_port_in_use_is_refused_at_start(tmp_path: Path) -> None:
+    ctx = zmq.Context()
+    taken = ctx.socket(zmq.PUB)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        settings = Settings(enable_prefix_caching=True, kv_events_endpoint=f"tcp://*:{port}")
+        with pytest.raises(KVEventsError, match=f"cannot open tcp://\\*:{port}"):
+            Serving(settings)
+    finally:
+        taken.close(linger=0)
+        ctx.term()
+
+
+def test_a_refused_start_leaves_no_publisher_behind(tmp_path: Path) -> None:
+    """Rank 1's port is taken: rank 0's publisher, already open, is closed again."""
+    ctx = zmq.Context()
+    taken = ctx.socket(zmq.PUB)
+    port = taken.bind_to_random_port("tcp://127.0.0.1", min_port=20000, max_port=30000)
+    try:
+        settings = Settings(enable_prefix_caching=True, data_parallel_size=2,
+                            kv_events_endpoint=f"tcp://*:{port - 1}")  # fmt: skip
+        before = {t.name for t in threading.enumerate()}
+        with pytest.raises(KVEventsError, match=f":{port}"):
+            Serving(settings)
+        assert "slotserve-kv-events" not in {t.name for t in threading.enumerate()} - before
+        rebound = ctx.socket(zmq.PUB)
+        rebound.bind(f"tcp://*:{port - 1}")  # rank 0's port is free again
+        rebound.close(linger=0)
+    finally:
+        taken.close(linger=0)
+        ctx.term()
