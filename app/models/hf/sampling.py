@@ -5,9 +5,11 @@ costs a fixed handful of tensor ops whatever its number of sampled rows.
 The draw is inverse-CDF sampling: each sampled row gets one uniform number ``u`` in [0, 1) and
 takes the first token whose cumulative probability exceeds ``u`` times the row's total. A
 request with a ``seed`` gets, for the token at position ``p``, ``u`` computed from (seed, p)
-alone (a SplitMix64 hash), so its tokens depend on nothing else in its batch, and a request
+alone (a SplitMix64 hash), so its draw depends on nothing else in its batch, and a request
 preempted and re-prefilled later continues exactly as if it had never been interrupted (every
-per-row operation here computes a row the same way whatever the other rows are). Requests
+per-row operation here computes a row the same way whatever the other rows are), given the
+same logits: in float32 the forward gives them; in bfloat16 its attention rounds differently
+with the batch's key padding and between prefill and decode (README, "real model"). Requests
 without a seed share one torch generator seeded randomly at start.
 
 Why not one ``torch.multinomial`` per row (the first implementation): on CPU each call runs
