@@ -180,3 +180,17 @@ async def test_n_choices_draw_with_seed_plus_i(tiny: Path) -> None:
         ]
     assert [c["text"] for c in both["choices"]] == [a["choices"][0]["text"] for a in alone]
     assert both["usage"]["completion_tokens"] == 12
+
+
+async def test_a_row_every_token_of_which_is_banned_samples_an_allowed_token(tiny: Path) -> None:
+    """Review (issue 19): allowed_token_ids = the stop tokens with min_tokens left no token:
+    sampled rows drew id 320 (= vocab size; a 500 for every request of the step), greedy ones
+    token 0 (not allowed). Now the min_tokens ban yields to the allow-list."""
+    async with real_client(tiny) as client:
+        for temperature in (0.0, 1.0):
+            body = {"prompt": [5, 17, 42], "max_tokens": 6, "temperature": temperature,
+                    "stop_token_ids": [2, 4], "min_tokens": 3, "allowed_token_ids": [2, 4],
+                    "stream": False, "seed": 1}  # fmt: skip
+            r = await client.post("/generate", json=body)
+            assert r.status_code == 200, r.text
+            assert set(r.json()["tokens"]) <= {2, 4} and len(r.json()["tokens"]) == 3

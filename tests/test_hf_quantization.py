@@ -49,3 +49,20 @@ def test_smollm2_quantized_still_answers(kind: str, expected: str) -> None:
     while out[-1] not in tok.stop_token_ids and len(out) < 20:
         out += model.step(StepBatch([0], [out[-1]], [GREEDY], ["q"], []))
     assert expected in tok.decode(out)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize(("out_features", "in_features"), [(50, 64), (48, 72), (8, 32), (48, 24)])
+def test_odd_shapes_stay_in_full_precision_instead_of_crashing(
+    kind: str, out_features: int, in_features: int
+) -> None:
+    """Review (issue 19): int8 with an input width not a multiple of 16 returned garbage (72),
+    NaN (8) or crashed the process (65, 100) in bfloat16; int4 with outputs not a multiple of
+    16 raised at load. Such matrices now keep full precision; the others are quantized."""
+    gen = torch.Generator().manual_seed(1)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.1).to(torch.bfloat16)
+    x = torch.randn(3, in_features, generator=gen).to(torch.bfloat16)
+    linear = Linear(weight, None, kind)
+    fits = in_features % 16 == 0 if kind == "int8" else in_features % 32 == out_features % 16 == 0
+    assert (linear.kind == kind) == fits
+    assert (linear(x).float() - x.float() @ weight.float().T).abs().max() < 0.5

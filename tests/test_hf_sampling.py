@@ -123,3 +123,16 @@ def test_min_p_reaches_sampling_params() -> None:
     assert SamplingFields().sampling().min_p == 0.0
     with pytest.raises(ValueError, match="min_p"):
         SamplingFields(min_p=1.5)
+
+
+def test_a_tiny_temperature_is_greedy_never_an_out_of_range_token() -> None:
+    """Review (issue 19): temperature 1e-40 (the API accepts any value >= 0) divided the logits
+    into inf and drew id == vocab size. Below 1e-5 a row is greedy, as in vLLM."""
+    sampler = Sampler(1.0, torch.device("cpu"))
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2)) * 3
+    for t in (1e-6, 1e-40, 1e-300, 5e-324):
+        rows = [SamplingParams(temperature=t), SamplingParams(temperature=t, seed=3, top_p=0.5)]
+        rows.append(SamplingParams(temperature=1.0, seed=4))
+        tokens = sampler.sample(logits, rows, [5, 6, 7])
+        assert tokens[:2] == logits[:2].argmax(-1).tolist(), t
+        assert 0 <= tokens[2] < 50

@@ -24,6 +24,12 @@ import torch.nn.functional as F
 Quantization = Literal["none", "int8", "int4"]
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int4")
 INT4_GROUP = 32
+# Shapes torch's kernels take (a matrix of another shape stays in full precision):
+# _weight_int8pack_mm in bfloat16 reads past a row whose input width is not a multiple of 16
+# (garbage or a crash, unchecked); _convert_weight_to_int4pack_for_cpu refuses outputs not a
+# multiple of 16.
+INT8_INPUTS = 16
+INT4_OUTPUTS = 16
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -49,9 +55,13 @@ class Linear:
         self.bias = bias
         self.kind = quantization
         self.scales: torch.Tensor | None = None
-        if quantization == "int8":
+        if quantization == "int8" and self.in_features % INT8_INPUTS == 0:
             self.weight, self.scales = _int8(weight)
-        elif quantization == "int4" and self.in_features % INT4_GROUP == 0:
+        elif (
+            quantization == "int4"
+            and self.in_features % INT4_GROUP == 0
+            and (self.out_features % INT4_OUTPUTS == 0)
+        ):
             self.weight, self.scales = _int4(weight)
         elif can_prepack(weight):
             self.kind = "packed"

@@ -103,6 +103,9 @@ def load_model(
     sets torch's CPU threads for the process; OpenMP waits passively (``prepare_openmp``).
     ``quantization`` ``int8``/``int4`` stores the weight matrices so (``Linear``; CPU only).
     Raises ``ModelLoadError`` with a one-line reason for anything a user can fix."""
+    from app.models.hf.threads import prepare_openmp
+
+    policy = prepare_openmp()  # first: converting SmolLM2 below may import torch
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r} (one of {', '.join(DTYPES)})")
     if quantization not in QUANTIZATIONS:
@@ -120,9 +123,8 @@ def load_model(
     require("torch", "transformers", "safetensors")
     go_offline()
     from app.models.hf.dtype import resolve_dtype
-    from app.models.hf.threads import prepare_openmp, set_threads
+    from app.models.hf.threads import set_threads
 
-    policy = prepare_openmp()
     used = set_threads(threads)
     dtype, why = resolve_dtype(dtype, device)
     log.info("dtype %s (%s); %d torch threads, OMP_WAIT_POLICY=%s", dtype, why, used, policy)

@@ -8,6 +8,7 @@ token per decode slot and per chunk that completes a prefill.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -86,8 +87,11 @@ class HFModel:
         histories += [c.history for c in batch.prefills if c.sample]
         with torch.inference_mode():
             rows = logits[:sampled]
+            raw = rows.clone() if any(p.processes_logits for p in params) else None
             logits_processors.process(rows, params, histories)  # stage 1
             rows = self._before_sampling(rows, params, positions, batch.token_masks)  # 2.
+            if raw is not None:
+                _refill_emptied(rows, raw, params, histories, batch.token_masks)
             tokens = self._sampler.sample(rows, params, positions)
             wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
             found = logprobs.entries(
@@ -187,6 +191,34 @@ class HFModel:
             raise SlotStateError(
                 f"slot {slot}: {length} positions exceed the context of {self.cache.context}"
             )
+
+
+def _refill_emptied(
+    rows: torch.Tensor,
+    raw: torch.Tensor,
+    params: list[SamplingParams],
+    histories: list[TokenHistory | None],
+    token_masks: Sequence[bytes | None],
+) -> None:
+    """A row that the processors and its grammar mask left without any token (e.g.
+    ``allowed_token_ids`` = the stop tokens with ``min_tokens``, or a grammar that allows only
+    the end while ``min_tokens`` bans it) would draw an id past the vocabulary (or a forbidden
+    token, greedy). Such a row is redone from its ``raw`` logits without the bans (min_tokens,
+    bad_words), then, if still empty, under its grammar mask alone, then unconstrained: the
+    grammar and the allow-list win over the bans. In place; rows with a token are untouched."""
+    emptied = [int(i) for i in (~torch.isfinite(rows).any(dim=-1)).nonzero().flatten().tolist()]
+    for i in emptied:
+        mask = [token_masks[i] if i < len(token_masks) else None]
+        unbanned = replace(params[i], min_tokens=0, bad_words=())
+        for attempt in range(3):
+            row = raw[i : i + 1].clone()
+            if attempt == 0:
+                logits_processors.process(row, [unbanned], [histories[i]])
+            if attempt < 2 and mask[0] is not None:
+                apply_token_masks(row, mask)
+            if attempt == 2 or bool(torch.isfinite(row).any()):
+                rows[i] = row[0]
+                break
 
 
 def _prompt_positions(chunk: PrefillChunk) -> int:

@@ -5,9 +5,11 @@ costs a fixed handful of tensor ops whatever its number of sampled rows.
 The draw is inverse-CDF sampling: each sampled row gets one uniform number ``u`` in [0, 1) and
 takes the first token whose cumulative probability exceeds ``u`` times the row's total. A
 request with a ``seed`` gets, for the token at position ``p``, ``u`` computed from (seed, p)
-alone (a SplitMix64 hash), so its tokens depend on nothing else in its batch, and a request
+alone (a SplitMix64 hash), so its draw depends on nothing else in its batch, and a request
 preempted and re-prefilled later continues exactly as if it had never been interrupted (every
-per-row operation here computes a row the same way whatever the other rows are). Requests
+per-row operation here computes a row the same way whatever the other rows are), given the
+same logits: in float32 the forward gives them; in bfloat16 its attention rounds differently
+with the batch's key padding and between prefill and decode (README, "real model"). Requests
 without a seed share one torch generator seeded randomly at start.
 
 Why not one ``torch.multinomial`` per row (the first implementation): on CPU each call runs
@@ -28,6 +30,8 @@ from app.models.protocol import SamplingParams
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) over the seed space
 _MASK64 = (1 << 64) - 1
 _SEED_MASK = (1 << 63) - 1
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy (vLLM's _SAMPLING_EPS): dividing the
+# logits by a float32 temperature near 0 overflows to inf, and the draw would return no token
 
 
 def seed_for(seed: int, position: int) -> int:
@@ -55,15 +59,17 @@ class Sampler:
         self._shared.seed()
 
     def temperature(self, p: SamplingParams) -> float:
-        """The temperature ``p`` samples at (its own, else the model's default)."""
-        return self.default_temperature if p.temperature is None else p.temperature
+        """The temperature ``p`` samples at (its own, else the model's default); 0 (greedy)
+        below ``GREEDY_BELOW``."""
+        t = self.default_temperature if p.temperature is None else p.temperature
+        return t if t >= GREEDY_BELOW else 0.0
 
     def sample(
         self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
     ) -> list[int]:
         """``params[i]`` and ``positions[i]`` (the position the sampled token will take) belong to
-        row ``i``. Greedy rows (temperature 0) take their argmax; the others are drawn in one
-        batch (``draw``)."""
+        row ``i``. Greedy rows (temperature 0, or below ``GREEDY_BELOW``) take their argmax; the
+        others are drawn in one batch (``draw``)."""
         rows = [i for i, p in enumerate(params) if self.temperature(p) > 0]
         if len(rows) == len(params):  # every row samples: no copy, no argmax
             return self._draw(logits, params, positions)
