@@ -219,3 +219,38 @@ async def test_logprobs_under_a_grammar_still_put_the_chosen_token_first(
         content = choice["logprobs"]["content"]
         assert "".join(entry["token"] for entry in content) == choice["message"]["content"]
         assert all(entry["top_logprobs"][0]["token"] == entry["token"] for entry in content)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"allowed_token_ids": [101], "logit_bias": {"101": -100}}, "allowed_token_ids"),
+        ({"allowed_token_ids": [101], "bad_words": ["e"]}, "allowed_token_ids"),
+        ({"allowed_token_ids": [101], "stop_token_ids": [101], "min_tokens": 2}, "min_tokens"),
+        ({"logit_bias": {str(t): -100 for t in range(257)}}, "logit_bias"),
+        ({"logit_bias": {str(t): -100 for t in range(256)}, "min_tokens": 1}, "min_tokens"),
+    ],
+)
+async def test_a_request_forbidding_every_token_is_a_400_naming_the_field(
+    make_client: ClientFactory, extra: dict[str, Any], param: str
+) -> None:
+    async with make_client(CachedMockModel(8), num_slots=8) as client:
+        r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4} | extra)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param, r.text
+        fine = {"allowed_token_ids": [101, 102], "logit_bias": {"101": -100}}
+        text = (await _completion(client, max_tokens=4, **fine))["choices"][0]["text"]
+        assert text == "ffff"
+
+
+@pytest.mark.parametrize("model", mocks(), ids=["mock", "cached-mock"])
+async def test_a_ban_emptying_a_row_mid_output_fails_that_request_alone(
+    make_client: ClientFactory, model: Model
+) -> None:
+    """allowed 'a' and bad word 'aa': after one 'a' nothing is left (known only then)."""
+    async with make_client(model, num_slots=8) as client:
+        body = {"prompt": "hi", "max_tokens": 4, "allowed_token_ids": [97], "bad_words": ["aa"]}
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "model_error", r.text
+        assert "forbid every token" in r.json()["error"]["message"]
+        assert (await _completion(client, max_tokens=4))["choices"][0]["text"]

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 from app.api.app import create_app
 from app.config import Settings
+from app.models.hf import load_model
 from app.models.hf.logits_processors import process
-from app.models.protocol import SamplingParams
+from app.models.protocol import NO_TOKEN, PrefillChunk, SamplingParams, StepBatch
 
 VOCAB = 12
 
@@ -180,3 +181,21 @@ async def test_n_choices_draw_with_seed_plus_i(tiny: Path) -> None:
         ]
     assert [c["text"] for c in both["choices"]] == [a["choices"][0]["text"] for a in alone]
     assert both["usage"]["completion_tokens"] == 12
+
+
+def test_a_row_whose_every_token_is_banned_gets_no_token_not_nan(tiny: Path) -> None:
+    """The API refuses what it can see; a ban known only mid-output can still empty a row:
+    that row alone gets NO_TOKEN, its neighbours sample as usual, no NaN anywhere."""
+    loaded = load_model(f"hf:{tiny}", dtype="float32", num_slots=2, max_model_len=32,
+                        kv_cache_memory=1 << 20)  # fmt: skip
+    dead = SamplingParams(allowed_token_ids=(9,), bad_words=((9,),), logprobs=2)
+    alive = SamplingParams(temperature=1.0, seed=1, logprobs=2)
+    chunks = [
+        PrefillChunk(slot, [5, 17, 42], 0, True, params, f"r{slot}")
+        for slot, params in enumerate((dead, alive))
+    ]
+    result = loaded.model.step_sampled(StepBatch((), (), (), (), chunks))
+    assert result.tokens[0] == NO_TOKEN and 0 <= result.tokens[1] < 320
+    assert result.logprobs is not None and result.logprobs[0] is None
+    entry = result.logprobs[1]
+    assert entry is not None and math.isfinite(entry.logprob)

@@ -18,6 +18,7 @@ from app.models.hf.llama import LlamaForward
 from app.models.hf.sampling import Sampler
 from app.models.hf.token_mask import apply_token_masks
 from app.models.protocol import (
+    NO_TOKEN,
     Logprobs,
     PrefillChunk,
     SamplingParams,
@@ -88,8 +89,11 @@ class HFModel:
             rows = logits[:sampled]
             logits_processors.process(rows, params, histories)  # stage 1
             rows = self._before_sampling(rows, params, positions, batch.token_masks)  # 2.
+            dead = _dead_rows(rows)
             tokens = self._sampler.sample(rows, params, positions)
-            wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+            for i in dead:
+                tokens[i] = NO_TOKEN
+            wanted = [i for i, p in enumerate(params) if p.logprobs is not None and i not in dead]
             found = logprobs.entries(
                 rows[wanted], [tokens[i] for i in wanted], [params[i].logprobs or 0 for i in wanted]
             )
@@ -216,3 +220,14 @@ def _prompt_logprobs(
         )
         row += count
     return out
+
+
+def _dead_rows(logits: torch.Tensor) -> list[int]:
+    """The rows with no finite logit (their bans, allow-list and mask forbid every token),
+    zeroed in place so the sampler draws no NaN; the caller reports ``NO_TOKEN`` for them."""
+    alive = torch.isfinite(logits).any(dim=1)
+    if bool(alive.all()):
+        return []
+    dead = (~alive).nonzero().flatten()
+    logits[dead] = 0.0
+    return [int(i) for i in dead.tolist()]
