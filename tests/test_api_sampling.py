@@ -7,12 +7,15 @@ in which the chosen token is the most likely (``app/models/mock_sampling.py``)."
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 from conftest import ClientFactory
 from sse import parse_sse
 
+from app.api.aligned_tokens import AlignedTokens
+from app.engine.stop_strings import StopStringMatcher
 from app.models.cached_mock import CachedMockModel
 from app.models.mock import MockModel
 from app.models.protocol import Model
@@ -254,3 +257,68 @@ async def test_a_ban_emptying_a_row_mid_output_fails_that_request_alone(
         assert r.status_code == 500 and r.json()["error"]["code"] == "model_error", r.text
         assert "forbid every token" in r.json()["error"]["message"]
         assert (await _completion(client, max_tokens=4))["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_logprobs_stop_at_a_stop_strings_cut(
+    make_client: ClientFactory, stream: bool
+) -> None:
+    """The tokens wholly past a stop string's cut (the stop string's own) leave the logprobs
+    too: the logprob tokens spell exactly the returned text, and every offset lies in it."""
+    async with make_client(CachedMockModel(8), num_slots=8) as client:
+        plain = (await _completion(client, max_tokens=30))["choices"][0]["text"]
+        stop = plain[5:7]
+        body = {"prompt": "Tell me ", "max_tokens": 30, "stop": [stop], "logprobs": 1}
+        r = await client.post("/v1/completions", json=body | {"stream": stream})
+        if stream:
+            choices = [e.data["choices"][0] for e in parse_sse(r.text)[:-1]]
+            text = "".join(c["text"] for c in choices)
+            lps = [c["logprobs"] for c in choices if c["logprobs"]]
+            tokens, offsets = (
+                flat(lp["tokens"] for lp in lps),
+                flat(lp["text_offset"] for lp in lps),
+            )
+        else:
+            choice = r.json()["choices"][0]
+            text, tokens, offsets = (
+                choice["text"],
+                choice["logprobs"]["tokens"],
+                choice["logprobs"]["text_offset"],
+            )
+        assert text == plain[: plain.find(stop)]
+        assert "".join(tokens) == text and all(offset < len(text) for offset in offsets)
+        chat = {"messages": [MESSAGE], "max_tokens": 30, "logprobs": True, "top_logprobs": 1}
+        plain = (await client.post("/v1/chat/completions", json=chat)).json()
+        content = plain["choices"][0]["message"]["content"]
+        stop = content[4:6]
+        r = await client.post(
+            "/v1/chat/completions", json=chat | {"stop": [stop], "stream": stream}
+        )
+        if stream:
+            choices = [e.data["choices"][0] for e in parse_sse(r.text)[1:-1]]
+            text = "".join(c["delta"].get("content", "") for c in choices)
+            entries = flat((c["logprobs"] or {}).get("content", []) for c in choices)
+        else:
+            choice = r.json()["choices"][0]
+            text, entries = choice["message"]["content"], choice["logprobs"]["content"]
+        assert text == content[: content.find(stop)]
+        assert "".join(e["token"] for e in entries) == text
+
+
+def test_a_token_straddling_the_stop_strings_cut_is_kept() -> None:
+    """Multi-character tokens 'ab' 'cd' 'ef' with the stop string 'de': the text is 'abc';
+    'cd' shows a character ('c'), so it stays (as vLLM keeps it); 'ef' is dropped."""
+
+    class Pieces:
+        def feed(self, ids: Sequence[int]) -> str:
+            return "".join(["ab", "cd", "ef"][i] for i in ids)
+
+        def flush(self) -> str:
+            return ""
+
+    matcher = StopStringMatcher(["de"])
+    aligned = AlignedTokens(Pieces())
+    assert aligned.take(matcher, [0, 1], None) == "abc"  # 'd' held back: could start 'de'
+    assert aligned.release() == ([0, 1], [None, None])  # 'cd' shows 'c': released
+    assert aligned.take(matcher, [2], None) == "" and matcher.hit
+    assert aligned.release() == ([], [])  # 'ef' lies wholly past the cut

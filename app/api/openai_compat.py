@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from app.api import faults
+from app.api.aligned_tokens import AlignedTokens
 from app.api.deps import KeyNameDep, ServingDep, data_parallel_rank
 from app.api.errors import APIError, error_body, model_failed_message, model_not_found
 from app.api.logprobs import CompletionLogprobs, TokenText, chat_content, prompt_logprobs
@@ -231,22 +232,33 @@ def _fan_out(
 
 async def _texts(run: Run, serving: Serving, index: int = 0) -> AsyncIterator[Piece]:
     """Choice ``index``'s pieces. The engine ends a request at the step whose tokens complete a
-    stop string; here the text is cut right before it."""
+    stop string; here the text is cut right before it. With log probabilities, a piece's tokens
+    are those whose text it shows (``AlignedTokens``: the stop string's tokens are dropped)."""
     decoder = serving.tokenizer.stream_decoder()
     stream, matcher = run.streams[index], run.matchers[index]
+    aligned = None if run.top is None else AlignedTokens(decoder)
     async for delta in stream:
-        text = matcher.feed_tokens(decoder, delta.tokens)
+        if aligned is None:
+            text = matcher.feed_tokens(decoder, delta.tokens)
+            tokens, entries = delta.tokens, delta.logprobs
+        else:
+            text = aligned.take(matcher, delta.tokens, delta.logprobs)
+            tokens, entries = aligned.release()
         if matcher.hit:
-            yield Piece(text, FinishReason.STOP.value, delta.tokens, delta.logprobs, index)
+            yield Piece(text, FinishReason.STOP.value, tokens, entries, index)
             return
         if delta.finish_reason is FinishReason.ERROR:
             raise _ModelFailed(stream)
         if delta.finish_reason is not None:
-            text += matcher.feed(decoder.flush()) + matcher.flush()
-            yield Piece(text, delta.finish_reason.value, delta.tokens, delta.logprobs, index)
+            rest = matcher.feed(decoder.flush()) + matcher.flush()
+            if aligned is not None:
+                aligned.shown(rest)
+                more, more_entries = aligned.release(everything=True)
+                tokens, entries = tokens + more, (entries or []) + more_entries
+            yield Piece(text + rest, delta.finish_reason.value, tokens, entries, index)
             return
-        if text or (delta.tokens and delta.logprobs is not None):
-            yield Piece(text, None, delta.tokens, delta.logprobs, index)
+        if text or (tokens and aligned is not None):
+            yield Piece(text, None, tokens, entries, index)
 
 
 async def _all_texts(run: Run, serving: Serving) -> AsyncIterator[Piece]:
