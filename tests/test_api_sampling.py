@@ -322,3 +322,33 @@ def test_a_token_straddling_the_stop_strings_cut_is_kept() -> None:
     assert aligned.release() == ([0, 1], [None, None])  # 'cd' shows 'c': released
     assert aligned.take(matcher, [2], None) == "" and matcher.hit
     assert aligned.release() == ([], [])  # 'ef' lies wholly past the cut
+
+
+async def test_a_character_split_across_tokens_keeps_its_true_bytes_and_offsets(
+    make_client: ClientFactory,
+) -> None:
+    """The byte tokenizer splits 'é' into 195 and 169: each logprob entry shows its own byte
+    (not U+FFFD's three), and text_offset indexes the text (a split character counts once)."""
+    async with make_client(CachedMockModel(8), num_slots=8) as client:
+        body = {"prompt": "aé 日b", "max_tokens": 0, "echo": True, "logprobs": 0}
+        choice = (await client.post("/v1/completions", json=body)).json()["choices"][0]
+        lp = choice["logprobs"]
+        assert choice["text"] == "aé 日b"
+        assert lp["tokens"][:3] == ["a", "bytes:\\xc3", "bytes:\\xa9"]
+        assert lp["text_offset"] == [0, 1, 1, 2, 3, 3, 3, 4]
+        assert lp["tokens"][-1] == choice["text"][lp["text_offset"][-1]]
+        chat = {"messages": [MESSAGE], "max_tokens": 6, "logprobs": True, "top_logprobs": 2,
+                "allowed_token_ids": [195, 169]}  # fmt: skip
+        for stream in (False, True):
+            r = await client.post("/v1/chat/completions", json=chat | {"stream": stream})
+            if stream:
+                chunks = [e.data["choices"][0] for e in parse_sse(r.text)[1:-1]]
+                text = "".join(c["delta"].get("content", "") for c in chunks)
+                content = flat((c["logprobs"] or {}).get("content", []) for c in chunks)
+            else:
+                choice = r.json()["choices"][0]
+                text, content = choice["message"]["content"], choice["logprobs"]["content"]
+            assert all(len(e["bytes"]) == 1 and e["bytes"][0] in (195, 169) for e in content)
+            assert bytes(flat(e["bytes"] for e in content)).decode(errors="replace") == text
+            for entry in content:
+                assert entry["token"] == "bytes:" + "".join(f"\\x{b:02x}" for b in entry["bytes"])
