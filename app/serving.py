@@ -509,12 +509,11 @@ class Serving:
         if stream is None or not self.abort(request_id):
             return False
         streams = [stream]
-        for i in range(1, self.settings.max_n):  # the other choices of an n > 1 request
-            sibling = self._live(f"{request_id}~{i}")
-            if sibling is None:
-                continue
-            self.abort(sibling.request_id)
-            streams.append(sibling)
+        siblings = f"{request_id}~"  # the other choices (n > 1, several prompts): <id>~<k>
+        for engine in self.engines:
+            for sibling_id, sibling in list(engine.core.live.items()):
+                if sibling_id.startswith(siblings) and self.abort(sibling_id):
+                    streams.append(sibling)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.gather(*(s.ended() for s in streams)), CANCEL_TIMEOUT)
         return True

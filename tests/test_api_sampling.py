@@ -352,3 +352,33 @@ async def test_a_character_split_across_tokens_keeps_its_true_bytes_and_offsets(
             assert bytes(flat(e["bytes"] for e in content)).decode(errors="replace") == text
             for entry in content:
                 assert entry["token"] == "bytes:" + "".join(f"\\x{b:02x}" for b in entry["bytes"])
+
+
+async def test_echo_scores_a_list_of_prompts_as_lm_eval_batches_them(
+    make_client: ClientFactory,
+) -> None:
+    """lm-eval's local-completions sends a list of prompts when batch_size > 1: one choice per
+    prompt (n per prompt: choice k answers prompt k // n), in order, usage summed."""
+    prompts = ["Hello there", "Bye now", "é?"]
+    async with make_client(CachedMockModel(8), num_slots=8) as client:
+        body = {"prompt": prompts, "max_tokens": 0, "echo": True, "logprobs": 1}
+        whole = (await client.post("/v1/completions", json=body)).json()
+        assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
+        assert [c["text"] for c in whole["choices"]] == prompts
+        for choice, prompt in zip(whole["choices"], prompts, strict=True):
+            values = choice["logprobs"]["token_logprobs"]
+            assert len(values) == len(prompt.encode()) and values[0] is None
+        lengths = sum(len(p.encode()) for p in prompts)
+        assert whole["usage"] == {"prompt_tokens": lengths, "completion_tokens": 0,
+                                  "total_tokens": lengths}  # fmt: skip
+        ids = [[72, 105], [66, 121, 101]]
+        body = {"prompt": ids, "max_tokens": 3, "n": 2, "echo": True}
+        two = (await client.post("/v1/completions", json=body)).json()
+        assert [c["index"] for c in two["choices"]] == [0, 1, 2, 3]
+        assert all(c["text"].startswith(("Hi", "Bye")[c["index"] // 2]) for c in two["choices"])
+        assert two["usage"]["prompt_tokens"] == 5 and two["usage"]["completion_tokens"] == 12
+        r = await client.post("/v1/completions", json=body | {"stream": True})
+        chunks = [e.data["choices"][0] for e in parse_sse(r.text)[:-1]]
+        for k in range(4):
+            text = "".join(c["text"] for c in chunks if c["index"] == k)
+            assert text == two["choices"][k]["text"]
