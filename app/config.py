@@ -159,15 +159,19 @@ class Settings(BaseSettings):
         10_000, ge=1, description="KV-event batches kept for replay"
     )
     kv_events_queue_size: int = Field(
-        10_000, ge=1, description="KV-event batches queued for sending; past it they are dropped"
+        10_000,
+        ge=1,
+        description="KV-event batches queued for sending; past it a step's events wait for "
+        "the next batch",
     )
     kv_events_int_hashes: bool = Field(
         True, description="KV events carry block hashes as 64-bit integers (else the bytes)"
     )
-    kv_events_encoding: Literal["array", "map"] = Field(
-        "array",
-        description="KV-event structs as msgpack arrays (vLLM's long-standing layout, "
-        "llm-d, Dynamo) or maps (recent vLLM)",
+    kv_events_encoding: Literal["array", "map", "map-batch"] = Field(
+        "map",
+        description="KV-event msgpack layout: map (vLLM 0.24+: events as maps in an array "
+        "batch), array (vLLM up to 0.23: positional arrays), map-batch (vLLM main: the batch a "
+        "map too)",
     )
     prefix_caching_hash_algo: Literal["sha256", "sha256_cbor"] = Field(
         "sha256", description="block hash of KV events, as vLLM's flag (pickle or CBOR + SHA-256)"

@@ -52,6 +52,8 @@ class LoRARegistry:
         self._ids = itertools.count(1)
 
     def load(self, name: str, path: str) -> LoRAAdapter:
+        """Load adapter ``name`` from ``path`` (which must exist); ``LoRAError`` for a
+        duplicate name, the base model's name, a missing path or past ``max_cpu_loras``."""
         if name in self.adapters:
             raise LoRAError(f"The lora adapter '{name}' has already been loaded.", "duplicate")
         if name == self.base_model:

@@ -120,8 +120,8 @@ class LoRAInfo(Collector):
 
 class KVEventCounters(Collector):
     """``slotserve:kv_events_batches_total``: KV-event batches by outcome (``published``;
-    ``dropped``: the send queue was full; ``failed``: the send raised), read from the
-    publisher."""
+    ``dropped``: past the events held back for a full send queue; ``failed``: the send raised),
+    read from the publisher."""
 
     def __init__(self, publisher: KVEventPublisher, labels: dict[str, str]) -> None:
         self.publisher, self.labels = publisher, labels

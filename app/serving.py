@@ -472,7 +472,8 @@ class Serving:
         mocks have no weights, so both levels do the same here and only the level is kept)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
-        self.engine  # noqa: B018 (ModelLoadingError while a real model loads)
+        if self._engine is None:  # a real model still loading
+            raise self._not_loaded()
         self.asleep, self.sleep_level = SLEEP_PARTS, level
         for engine in self.engines:
             for request_id in list(engine.core.live):

@@ -35,7 +35,7 @@ from app.engine.engine import Engine
 from app.engine.step import StepOutcome
 from app.engine.types import Sequence
 from app.kv_events.publisher import KVEventPublisher, KVEventsConfig
-from app.kv_events.schema import KVEventBatch
+from app.kv_events.schema import MapEventsBatch
 from app.models.cached_mock import CachedMockModel
 
 SLOTS, BS = 256, 16
@@ -71,7 +71,7 @@ def drain(endpoint: str, stop: EventType, counts: SimpleQueue[int]) -> None:
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(endpoint)
-    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    decoder = msgspec.msgpack.Decoder(MapEventsBatch)  # the default encoding
     sub.recv_multipart()  # a probe: the subscriber has joined
     counts.put(-1)
     events = 0

@@ -423,9 +423,9 @@ async def test_a_forced_tool_call_streams_as_each_protocols_tool_events(
         assert use["type"] == "tool_use" and whole["stop_reason"] == "tool_use"
         events = parse_sse((await client.post("/v1/messages", json=body | {"stream": True})).text)
         names = [e.event for e in events]
-        assert names[:3] == ["message_start", "ping", "content_block_start"]
+        assert names[:3] == ANTHROPIC_EVENTS  # ping after the first content_block_start
         assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
-        assert events[2].data["content_block"]["type"] == "tool_use"
+        assert events[1].data["content_block"]["type"] == "tool_use"
         pieces = [e.data["delta"] for e in events[3:-3]]
         assert {p["type"] for p in pieces} == {"input_json_delta"}
         assert json.loads("".join(p["partial_json"] for p in pieces)) == use["input"]
@@ -493,3 +493,52 @@ async def test_output_text_logprobs_when_included(make_client: ClientFactory) ->
         assert streamed == part["logprobs"] == events[-4].data["logprobs"]
         plain = await client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2})
         assert plain.json()["output"][0]["content"][0]["logprobs"] == []
+
+
+async def test_a_mock_that_calls_tools_under_auto_still_follows_a_text_format(
+    make_client: ClientFactory,
+) -> None:
+    fmt = {"type": "json_schema", "name": "person", "schema": PERSON}
+    body = {"input": "A person", "max_output_tokens": 300, "text": {"format": fmt},
+            "tools": RESPONSES_TOOLS}  # fmt: skip
+    async with make_client(mock_tool_call_probability=1.0) as client:
+        r = await client.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text  # not a 400 for a choice the client did not force
+        assert set(json.loads(r.json()["output"][0]["content"][0]["text"])) == {"name", "age"}
+        called = (await client.post("/v1/responses", json=body | {"text": None})).json()
+        assert [item["type"] for item in called["output"]] == ["function_call"]
+
+
+async def test_background_responses_are_bounded_by_the_store_size(
+    make_client: ClientFactory,
+) -> None:
+    settings = {"num_slots": 1, "mock_step_ms": 5, "mock_stop_probability": 0,
+                "responses_store_size": 2}  # fmt: skip
+    async with make_client(**settings) as client:
+        body = {"input": "hi", "max_output_tokens": 5000, "background": True}
+        ids = [(await client.post("/v1/responses", json=body)).json()["id"] for _ in range(2)]
+        r = await client.post("/v1/responses", json=body)
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "too_many_background_responses"
+        for response_id in ids:
+            await client.post(f"/v1/responses/{response_id}/cancel")
+        assert (await client.post("/v1/responses", json=body)).status_code == 200
+
+
+async def test_chaining_from_a_failed_response_is_a_400(make_client: ClientFactory) -> None:
+    async with make_client(allow_fault_headers=True) as client:
+        body = {"max_output_tokens": 50, "input": "hi", "stream": True}
+        r = await client.post("/v1/responses", json=body, headers={"x-slotserve-fail-after": "2"})
+        failed = parse_sse(r.text)[-1].data["response"]
+        chained = {"input": "and?", "previous_response_id": failed["id"]}
+        r = await client.post("/v1/responses", json=chained)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "previous_response_failed"
+
+
+def test_an_abort_is_reported_in_each_protocols_own_vocabulary() -> None:
+    from app.api import generation
+    from app.api.adapters import anthropic
+
+    aborted = generation.Outcome("partial", "abort", None, 3, 2)
+    assert anthropic.stop_reason(aborted) == "end_turn"
+    assert anthropic.message_object("m", "x", aborted)["stop_reason"] == "end_turn"

@@ -8,9 +8,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import msgspec
 from conftest import ClientFactory, serving_of
 from prometheus_client.parser import text_string_to_metric_families
-from test_kv_events import Subscriber, chain_tokens, vllm_hashes
+from test_kv_events import Subscriber, V026Batch, chain_tokens, vllm_hashes
 
 from app.serving import GenerationParams
 
@@ -67,7 +68,9 @@ async def test_each_rank_publishes_its_own_kv_events(
         serving = serving_of(client)
         publishers = serving.rank_events
         assert [p.endpoint for p in publishers if p] == [endpoint, f"{endpoint}_dp1"]
-        subs = [Subscriber(p.endpoint, str(p.replay_endpoint)) for p in publishers if p]
+        decoder = msgspec.msgpack.Decoder(V026Batch)  # (the default encoding)
+        subs = [Subscriber(p.endpoint, str(p.replay_endpoint), decoder=decoder)
+                for p in publishers if p]  # fmt: skip
         try:
             shared = "A system prompt shared by every request here. "
             for i in range(6):
@@ -121,3 +124,13 @@ async def test_a_non_ascii_digit_rank_header_is_a_400(make_client: ClientFactory
             refused = await client.post(path, json=body, headers={RANK.encode(): b"\xb2"})
             assert refused.status_code == 400, path
             assert refused.json()["error"]["param"] == RANK
+        hello = [{"role": "user", "content": "Hi"}]
+        adapters = (("/v1/responses", {"input": "Hi", "max_output_tokens": 16}),
+                    ("/v1/messages", {"model": "slotserve-mock", "max_tokens": 2,
+                                      "messages": hello}))  # fmt: skip
+        for path, body in adapters:  # (their own error shapes)
+            refused = await client.post(path, json=body, headers={RANK.encode(): b"\xb2"})
+            assert refused.status_code == 400, path
+            assert RANK in refused.text
+            answer = await client.post(path, json=body, headers={RANK: "1"})
+            assert answer.status_code == 200, (path, answer.text)

@@ -25,10 +25,15 @@ from app.cli import parse
 from app.config import Settings
 from app.engine.core import EngineConfig
 from app.engine.engine import Engine
-from app.engine.prefix_cache import CachedBlock, CacheEvent
+from app.engine.prefix_cache import CachedBlock, CacheEvent, CacheEventKind
 from app.engine.types import Sequence
 from app.kv_events.hashing import BlockHasher
-from app.kv_events.publisher import KVEventPublisher, KVEventsConfig, KVEventsError
+from app.kv_events.publisher import (
+    REPLAY_CHUNK,
+    KVEventPublisher,
+    KVEventsConfig,
+    KVEventsError,
+)
 from app.models.cached_mock import CachedMockModel
 from app.serving import Serving
 
@@ -106,6 +111,14 @@ class Recent:
         ts: float
         events: list[Recent.BlockStored | Recent.BlockRemoved | Recent.AllBlocksCleared]
         data_parallel_rank: int | None = None
+
+
+class V026Batch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """vLLM 0.24-0.26's batch (the events maps since vllm#42892, the batch still an array)."""
+
+    ts: float
+    events: list[Recent.BlockStored | Recent.BlockRemoved | Recent.AllBlocksCleared]
+    data_parallel_rank: int | None = None
 
 
 # --- vLLM's block hash, reimplemented ----------------------------------------------------------
@@ -208,6 +221,7 @@ class Subscriber:
 
 
 def config(tmp_path: Path, **kw: Any) -> KVEventsConfig:
+    kw.setdefault("encoding", "array")  # (the legacy schema above; map layouts tested below)
     return KVEventsConfig(f"ipc://{tmp_path}/kv", f"ipc://{tmp_path}/replay", block_size=BS, **kw)
 
 
@@ -281,8 +295,8 @@ async def test_the_books_balance_after_a_shared_prefix_workload(tmp_path: Path) 
         sub.close()
 
 
-async def test_recent_vllms_map_encoding_balances_the_books_too(tmp_path: Path) -> None:
-    publisher = KVEventPublisher(config(tmp_path, encoding="map"))
+async def test_vllm_mains_map_batch_encoding_balances_the_books_too(tmp_path: Path) -> None:
+    publisher = KVEventPublisher(config(tmp_path, encoding="map-batch"))
     decoder = msgspec.msgpack.Decoder(Recent.KVEventBatch)
     sub = Subscriber(publisher.endpoint, str(publisher.replay_endpoint), decoder=decoder)
     engine = Engine(CachedMockModel(6), engine_config(), kv_events=publisher)
@@ -294,6 +308,38 @@ async def test_recent_vllms_map_encoding_balances_the_books_too(tmp_path: Path) 
         first = msgspec.msgpack.decode(publisher._buffer[0][1])
         assert set(first) == {"ts", "events", "data_parallel_rank"}
         assert first["events"][0]["type"] == "BlockStored"
+    finally:
+        await engine.stop()
+        publisher.close()
+        sub.close()
+
+
+async def test_the_default_encoding_is_released_vllms_map_events(tmp_path: Path) -> None:
+    """Review finding 1: the default was vLLM's old positional layout, which vLLM 0.24+
+    subscribers reject. The default now sends map events in an array batch (vLLM 0.24-0.26),
+    decoded here with that schema, and ``extra_keys`` per block (the adapter's name)."""
+    assert Settings().kv_events_encoding == "map" == KVEventsConfig("inproc://x").encoding
+    publisher = KVEventPublisher(config(tmp_path, encoding="map"))
+    decoder = msgspec.msgpack.Decoder(V026Batch)
+    sub = Subscriber(publisher.endpoint, str(publisher.replay_endpoint), decoder=decoder)
+    engine = Engine(CachedMockModel(6), dataclasses.replace(engine_config(), max_loras=2),
+                    kv_events=publisher)  # fmt: skip
+    await engine.start()
+    try:
+        seqs = workload(20, random.Random(6))
+        for i, seq in enumerate(seqs):
+            seq.lora = ("sql", None)[i % 2]
+        await run(engine, seqs)
+        await settle(publisher, sub)
+        assert sub.books() == expected_books(engine)
+        raw = msgspec.msgpack.decode(publisher._buffer[0][1])
+        assert isinstance(raw, list) and raw[1][0]["type"] == "BlockStored"
+        stored = [e for b in sub.batches.values() for e in b.events
+                  if isinstance(e, Recent.BlockStored)]  # fmt: skip
+        for event in stored:
+            extra = None if event.lora_name is None else (event.lora_name,)
+            assert event.extra_keys == [extra] * len(event.block_hashes)
+        assert {e.lora_name for e in stored} == {None, "sql"}
     finally:
         await engine.stop()
         publisher.close()
@@ -402,8 +448,8 @@ async def test_a_failing_sink_is_contained_and_counted() -> None:
         await engine.stop()
 
 
-def test_a_full_queue_drops_and_counts_without_blocking(tmp_path: Path) -> None:
-    publisher = KVEventPublisher(config(tmp_path, max_queue_size=1))
+def _stalled(publisher: KVEventPublisher) -> threading.Event:
+    """Hold the publisher's thread in its first send until the returned event is set."""
     gate = threading.Event()
     original = publisher._send
 
@@ -412,13 +458,88 @@ def test_a_full_queue_drops_and_counts_without_blocking(tmp_path: Path) -> None:
         original(*args)
 
     publisher._send = stuck  # type: ignore[method-assign,assignment]
+    return gate
+
+
+def _sent(publisher: KVEventPublisher) -> list[tuple[int, int]]:
+    """(sequence number, number of events) of every batch sent, in order."""
+    return [(seq, len(msgspec.msgpack.decode(payload)[1])) for seq, payload in publisher._buffer]
+
+
+CLEARED = CacheEvent(CacheEventKind.CLEARED)
+
+
+def test_a_full_queue_delays_events_into_the_next_batch_without_blocking(tmp_path: Path) -> None:
+    """Review finding 2: a step whose batch found the queue full was dropped, a gap no replay
+    could fill. Its events now ride in the next batch (or the thread sends them once the queue
+    has drained): every event arrives, the numbers have no gap, nothing is dropped."""
+    publisher = KVEventPublisher(config(tmp_path, max_queue_size=1))
+    gate = _stalled(publisher)
     try:
-        for _ in range(5):
-            publisher.publish([])
-        assert 3 <= publisher.dropped <= 4  # one in the thread's hands, at most one queued
+        for _ in range(6):
+            publisher.publish([CLEARED])  # one in the thread's hands, one queued, 4 held back
+        assert publisher.dropped == 0
     finally:
         gate.set()
+        publisher.close(timeout=5)
+    sent = _sent(publisher)
+    assert [seq for seq, _ in sent] == list(range(len(sent)))
+    assert sum(n for _, n in sent) == 6 and publisher.dropped == 0
+
+
+def test_events_past_the_pending_cap_are_dropped_as_a_visible_gap(tmp_path: Path) -> None:
+    publisher = KVEventPublisher(config(tmp_path, max_queue_size=1, max_pending_events=2))
+    gate = _stalled(publisher)
+    try:
+        for _ in range(6):
+            publisher.publish([CLEARED])
+        assert publisher.dropped >= 1
+    finally:
+        gate.set()
+        publisher.close(timeout=5)
+    seqs = [seq for seq, _ in _sent(publisher)]
+    assert len(seqs) + publisher.dropped == publisher._next_seq  # each drop: a number skipped
+
+
+def test_a_flooding_replay_client_does_not_starve_publishing(tmp_path: Path) -> None:
+    """Review finding 2: a client asking again and again for a long replay kept the thread in
+    its replay loop while the queue overflowed and batches were dropped. One request is served
+    at a time, in chunks, with the queue sent in between; nothing is lost."""
+    publisher = KVEventPublisher(config(tmp_path, max_queue_size=50, buffer_steps=5000))
+    for _ in range(1500):
+        publisher.publish([CLEARED])
+    ctx = zmq.Context()
+    flood = ctx.socket(zmq.DEALER)
+    flood.connect(str(publisher.replay_endpoint))
+    try:
+        for _ in range(200):  # never read: the answers pile up
+            flood.send_multipart((b"", (0).to_bytes(8, "big")))
+        for _ in range(3000):
+            publisher.publish([CLEARED])
+    finally:
+        publisher.close(timeout=30)
+        flood.close(linger=0)
+        ctx.term()
+    sent = _sent(publisher)
+    assert publisher.dropped == 0
+    assert [seq for seq, _ in sent] == list(range(publisher._next_seq))
+    assert sum(n for _, n in sent) == 4500
+
+
+def test_a_long_replay_comes_whole_over_several_turns(tmp_path: Path) -> None:
+    publisher = KVEventPublisher(config(tmp_path))
+    sub = Subscriber(publisher.endpoint, str(publisher.replay_endpoint))
+    try:
+        for _ in range(3 * REPLAY_CHUNK + 7):
+            publisher.publish([CLEARED])
+        for _ in range(500):  # (the thread has sent them all once the last is buffered)
+            if publisher._buffer and publisher._buffer[-1][0] == publisher._next_seq - 1:
+                break
+            threading.Event().wait(0.01)
+        assert sub.replay_from(5) == list(range(5, publisher._next_seq))
+    finally:
         publisher.close()
+        sub.close()
 
 
 def test_bad_endpoints_are_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:

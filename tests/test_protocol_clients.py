@@ -21,7 +21,7 @@ from agents import (
     set_tracing_disabled,
 )
 from anthropic.types import MessageParam
-from server_process import ServerProcess, running_server
+from server_process import ServerProcess, running_server, wait_until
 
 MODEL = "slotserve-mock"
 KEY = "sk-alice"
@@ -319,3 +319,22 @@ async def test_openai_agents_runs_an_agent_with_a_function_tool(server: ServerPr
     result = await Runner.run(agent, "Weather in Paris?")
     assert len(asked) == 1
     assert isinstance(result.final_output, str) and result.final_output
+
+
+def test_a_stored_stream_is_visible_while_it_runs_and_cancelled_if_its_client_leaves(
+    one_slow_slot: ServerProcess,
+) -> None:
+    body = {"max_output_tokens": 5000, "input": "Hi", "stream": True}
+    with httpx.Client(base_url=one_slow_slot.url, timeout=10) as http:
+        with http.stream("POST", "/v1/responses", json=body) as stream:
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            response_id = json.loads(first[5:])["response"]["id"]
+            running = http.get(f"/v1/responses/{response_id}").json()
+            assert running["status"] == "in_progress"
+
+        def status() -> str | None:
+            found = http.get(f"/v1/responses/{response_id}").json()["status"]
+            return str(found) if found != "in_progress" else None
+
+        assert wait_until(status, 10, "the abandoned stream to be stored") == "cancelled"

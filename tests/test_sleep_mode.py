@@ -15,7 +15,7 @@ import msgspec
 import zmq
 from conftest import ClientFactory, serving_of
 from server_process import free_port, running_server, wait_until
-from test_kv_events import AllBlocksCleared, BlockStored, KVEventBatch
+from test_kv_events import Recent, V026Batch
 
 from app.engine.types import FinishReason
 from app.serving import GenerationParams
@@ -108,7 +108,7 @@ def test_a_real_server_clears_its_kv_events_books_on_sleep(tmp_path: Path) -> No
     endpoint, replay = f"ipc://{tmp_path}/kv", f"ipc://{tmp_path}/replay"
     flags = ("--enable-sleep-mode", "--enable-prefix-caching", "--block-size", "4",
              "--kv-events-endpoint", endpoint, "--kv-events-replay-endpoint", replay)  # fmt: skip
-    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    decoder = msgspec.msgpack.Decoder(V026Batch)  # (the default encoding)
     with running_server(*flags) as server:
         ctx = zmq.Context()
         dealer = ctx.socket(zmq.DEALER)
@@ -129,8 +129,8 @@ def test_a_real_server_clears_its_kv_events_books_on_sleep(tmp_path: Path) -> No
                 batches.append(decoder.decode(payload))
             events = [e for b in batches for e in b.events]
             assert all(b.data_parallel_rank == 0 for b in batches)
-            assert isinstance(events[0], BlockStored)
-            assert isinstance(events[-1], AllBlocksCleared)
+            assert isinstance(events[0], Recent.BlockStored)
+            assert isinstance(events[-1], Recent.AllBlocksCleared)
             metrics = httpx.get(server.url + "/metrics").text
             assert (
                 'slotserve:kv_events_batches_total{model_name="slotserve-mock",outcome="published"}'

@@ -4,9 +4,11 @@ samples under the mask, also when requests are preempted between any two steps."
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 import time
+import weakref
 from typing import Any
 
 import jsonschema
@@ -236,12 +238,26 @@ def test_a_grammar_that_cannot_end_within_max_tokens_ends_with_length() -> None:
     assert seq.finish_reason == "length" and seq.num_generated == 10
 
 
-def test_an_aborted_constrained_request_frees_its_grammar() -> None:
-    scheduler = Scheduler(SchedulerConfig(num_slots=1))
-    seq = constrained("r", b"hi", Constraint.json_object(), 100)
-    scheduler.add(seq, 0.0)
-    scheduler.abort("r", 0.0)
-    assert seq.constraint is None and seq.finish_reason == "abort"
+def test_an_ended_constrained_request_frees_its_grammar() -> None:
+    """Aborted while running (after the runner has seen it) or finished: no reference to its
+    matcher is left anywhere (scheduler, runner, sequence), so the matcher is collected."""
+    scheduler = Scheduler(SchedulerConfig(num_slots=2))
+    runner = make_runner(CachedMockModel(2, MockLanguage()), 2)
+    aborted = constrained("a", b"hi", Constraint.json_object(), 100)
+    done = constrained("d", b"hi", Constraint.regex("[a-z]{3}"), 100)
+    refs = [weakref.ref(seq.constraint) for seq in (aborted, done)]
+    for seq in (aborted, done):
+        scheduler.add(seq, 0.0)
+    for _ in range(3):
+        out = scheduler.schedule(0.0)
+        scheduler.update(out, runner.execute(out), 0.0)
+    scheduler.abort("a", 0.0)
+    while scheduler.has_work():
+        out = scheduler.schedule(0.0)
+        scheduler.update(out, runner.execute(out), 0.0)
+    gc.collect()
+    assert (aborted.finish_reason, done.finish_reason) == ("abort", "stop")
+    assert [ref() for ref in refs] == [None, None]
 
 
 @pytest.mark.parametrize(

@@ -55,6 +55,14 @@ def test_auto_reads_calls_in_the_default_format_and_keeps_the_rest_as_content() 
     assert parse_calls("no call here", AUTO.choice) == ("no call here", [])
     broken = "<tool_call>{not json</tool_call>"
     assert parse_calls(broken, AUTO.choice) == (broken, [])
+    assert parse_calls(text, AUTO.choice, frozenset({"g"})) == (text, [])  # f was not offered
+    two = text + '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    assert len(parse_calls(two, AUTO.choice, frozenset({"f"}))[1]) == 2
+    assert parse_calls(two, AUTO.choice, frozenset({"f"}), parallel=False) == (two, [])
+    assert parse_calls(text, AUTO.choice, frozenset({"g"})) == (text, [])  # f was not offered
+    two = text + '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    assert len(parse_calls(two, AUTO.choice, frozenset({"f"}))[1]) == 2
+    assert parse_calls(two, AUTO.choice, frozenset({"f"}), parallel=False) == (two, [])
 
 
 def test_auto_streams_content_and_holds_back_a_possible_call_start() -> None:

@@ -28,6 +28,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from app.api import faults
+from app.api.deps import data_parallel_rank
 from app.api.errors import model_failed_message, model_not_found
 from app.api.native import flag_ignored_priority
 from app.api.streaming import sse_response, until_disconnected
@@ -121,6 +122,7 @@ def start(request: Request, serving: Serving, internal: InternalRequest, key: st
     submit's refusals propagate as they do on every route. ``key``: the API key's name."""
     if internal.model is not None and internal.model != serving.settings.model_name:
         raise model_not_found(internal.model, serving.settings.model_name)
+    rank = data_parallel_rank(request, serving)
     params = GenerationParams(
         prompt=internal.prompt, max_tokens=internal.max_tokens,
         stop_token_ids=internal.stop_token_ids, stop_strings=internal.stop_strings,
@@ -130,7 +132,7 @@ def start(request: Request, serving: Serving, internal: InternalRequest, key: st
     )  # fmt: skip
     stream = faults.submit(
         request, serving, params, streaming=internal.stream, id_prefix=internal.id_prefix,
-        model=internal.model,
+        model=internal.model, rank=rank,
     )  # fmt: skip
     return Run(stream.request_id, stream, internal.stop_strings, internal.tools)
 
@@ -213,9 +215,21 @@ class EventShaper(Protocol):
         """A model call failed mid-stream: the protocol's error event(s), the stream's last."""
         ...
 
+    def closed(self) -> None:
+        """The stream is over, however it ended (the client may have left midway)."""
+        ...
+
 
 async def events(run: Run, serving: Serving, shaper: EventShaper) -> AsyncIterator[bytes]:
     """The SSE bytes of ``run`` laid out by ``shaper`` (tool calls read as they stream)."""
+    try:
+        async for event in _events(run, serving, shaper):
+            yield event
+    finally:
+        shaper.closed()
+
+
+async def _events(run: Run, serving: Serving, shaper: EventShaper) -> AsyncIterator[bytes]:
     for event in shaper.opening():
         yield event
     reader = CallReader(run.plan) if run.plan is not None else None

@@ -44,4 +44,5 @@ async def wake_up(
 
 @router.get("/is_sleeping")
 async def is_sleeping(serving: ServingDep) -> dict[str, bool]:
+    """vLLM's ``GET /is_sleeping``: true from ``/sleep`` until a full ``/wake_up``."""
     return {"is_sleeping": bool(serving.asleep)}

@@ -95,6 +95,10 @@ class ToolPlan:
     def constraint(self) -> Constraint | None:
         return call_constraint(self.tools, self.choice, self.parallel)
 
+    @property
+    def offered(self) -> frozenset[str]:
+        return frozenset(tool.name for tool in self.tools)
+
 
 def tool_plan(body: ChatCompletionRequest, serving: Serving) -> ToolPlan | None:
     """The request's tool plan (None: no tools offered), checked; 400 for a bad choice."""
@@ -218,7 +222,7 @@ def whole_message(
 ) -> tuple[dict[str, Any], str | None]:
     """The non-streamed ``message`` and finish reason of a reply that may call tools."""
     if reason == "stop":
-        content, calls = parse_calls(text, plan.choice)
+        content, calls = parse_calls(text, plan.choice, plan.offered, plan.parallel)
         if calls:
             listed = [call_json(i, c) for i, c in enumerate(calls)]
             for entry in listed:
@@ -281,7 +285,11 @@ class ToolDeltas:
 
     def _end(self, reason: str) -> list[tuple[dict[str, Any], str | None]]:
         text, self.held = self.held, ""
-        content, calls = parse_calls(text, self.plan.choice) if reason == "stop" else (text, [])
+        content, calls = (
+            parse_calls(text, self.plan.choice, self.plan.offered, self.plan.parallel)
+            if reason == "stop"
+            else (text, [])
+        )
         out: list[tuple[dict[str, Any], str | None]] = []
         if content:
             out.append(({"content": content}, None))

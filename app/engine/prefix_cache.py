@@ -43,6 +43,8 @@ class CachedBlock:
 
 
 class CacheEventKind(Enum):
+    """What a ``CacheEvent`` says: blocks stored, blocks removed, or the cache cleared."""
+
     STORED = 0
     REMOVED = 1
     CLEARED = 2

@@ -536,7 +536,9 @@ class Scheduler:
             finished.append(seq)
             return 1
         if seq.constraint is not None and not seq.constraint.accept(token):
-            seq.error = ModelOutputError(f"token {token} is not allowed by the request's grammar")
+            seq.error = ModelOutputError(  # (a grammar-engine limit, or a model that broke it)
+                f"the request's grammar could not take token {token}"
+            )
             self._finish(seq, FinishReason.ERROR, now)
             finished.append(seq)
             return 1

@@ -10,10 +10,19 @@ Wire protocol (vLLM's ``ZmqEventPublisher``):
   ``(b"", seq, payload)``, then an end marker ``(b"", -1 as 8 signed bytes, b"")``. The buffer
   keeps the last ``buffer_steps`` batches.
 
-The engine numbers each batch when it hands it over. A batch that finds the queue full is
-dropped (``dropped`` counts it) and its number is never sent, so subscribers see the gap; a
-replay starting inside a gap returns what follows it. A PUB socket itself drops messages for a
-subscriber past its high-water mark, which is also a gap the replay covers.
+The engine numbers each batch when the queue takes it. A step whose batch finds the queue full
+keeps its events, merged into the next step's batch (or sent by the thread once the queue has
+drained): delayed, not lost, and the sequence stays gap-free. Only past ``max_pending_events``
+waiting events are they dropped: their batch's number is skipped (a gap subscribers see by
+sequence number) and ``dropped`` counts it. A PUB socket itself drops messages for a subscriber
+past its high-water mark, which is also a gap the replay covers.
+
+Replays never starve publishing: the thread takes one replay request at a time and answers it
+over several loop turns (``REPLAY_CHUNK`` batches per turn, the queue sent in between), up to
+the last batch buffered when the request came. The ROUTER socket's high-water mark holds one
+whole replay (``buffer_steps`` + 1 messages) per client, so a slow reader of one replay loses
+nothing; past it (a client asking again without reading) ZeroMQ drops answers, as in vLLM:
+such a client may miss batches and the end marker, and should time out and ask again.
 """
 
 from __future__ import annotations
@@ -41,11 +50,16 @@ from app.kv_events.schema import (
     MapAllBlocksCleared,
     MapBlockRemoved,
     MapBlockStored,
+    MapEventsBatch,
     MapKVEventBatch,
 )
 
-ARRAY = (KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared)
-MAP = (MapKVEventBatch, MapBlockStored, MapBlockRemoved, MapAllBlocksCleared)
+Encoding = Literal["array", "map", "map-batch"]
+STRUCTS: dict[str, tuple[Any, Any, Any, Any]] = {  # batch, stored, removed, cleared
+    "array": (KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared),
+    "map": (MapEventsBatch, MapBlockStored, MapBlockRemoved, MapAllBlocksCleared),
+    "map-batch": (MapKVEventBatch, MapBlockStored, MapBlockRemoved, MapAllBlocksCleared),
+}
 
 log = logging.getLogger("slotserve.kv_events")
 
@@ -57,6 +71,7 @@ POLL_SECONDS = 0.05  # the thread's wake-up period while idle (serves replays me
 # Once a batch arrives, the thread waits this long for more and sends them all in one go: one
 # wake-up (and one hand-over of the GIL by the engine) per period instead of one per step.
 COALESCE_SECONDS = 0.005
+REPLAY_CHUNK = 500  # replayed batches per loop turn (then the queue is sent, then the rest)
 
 
 class KVEventsError(Exception):
@@ -97,11 +112,12 @@ class KVEventsConfig:
     buffer_steps: int = 10_000
     hwm: int = 100_000
     max_queue_size: int = 10_000
+    max_pending_events: int = 100_000  # events held back for a full queue, past it dropped
     block_size: int = 16
     hash_algo: HashAlgo = "sha256"
     hash_seed: str = "0"
     int_hashes: bool = True
-    encoding: Literal["array", "map"] = "array"  # vLLM's array-like structs, or recent maps
+    encoding: Encoding = "map"  # vLLM 0.24+'s map events (see app/kv_events/schema.py)
 
 
 def _bind_or_connect(socket: zmq.Socket[bytes], endpoint: str) -> None:
@@ -126,17 +142,21 @@ class KVEventPublisher:
         self.endpoint = offset_endpoint_port(config.endpoint, data_parallel_rank)
         replay = config.replay_endpoint
         self.replay_endpoint = None if replay is None else offset_endpoint_port(replay, self.rank)
-        self.dropped = 0  # batches the full queue refused (never sent: a gap in ``seq``)
+        self.dropped = 0  # batches dropped past ``max_pending_events`` (a gap in ``seq``)
         self.published = 0  # batches sent on the PUB socket
         self.errors = 0  # batches the thread failed to send (logged)
         self._next_seq = 0
+        self._pending: list[CacheEvent] = []  # events a full queue refused, sent with the next
+        self._lock = threading.Lock()  # the engine's publish vs the thread's flush of _pending
+        self._replaying: tuple[bytes, int, int] | None = None  # client, next seq, last seq
         self._queue: queue.Queue[tuple[int, float, list[CacheEvent]] | None] = queue.Queue(
             config.max_queue_size
         )
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._hasher = BlockHasher(config.hash_algo, config.hash_seed)
         self._encoder = msgspec.msgpack.Encoder()
-        self._structs = ARRAY if config.encoding == "array" else MAP
+        self._structs = STRUCTS[config.encoding]
+        self._extra_keys = config.encoding != "array"  # (the array layout predates them)
         self._topic = config.topic.encode()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._pub, self._replay = self._open_sockets()
@@ -145,6 +165,8 @@ class KVEventPublisher:
         self._thread.start()
 
     def _open_sockets(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None]:
+        """The PUB socket (bound or connected) and the replay ROUTER (bound), if any;
+        ``KVEventsError`` if either cannot be opened (nothing left open then)."""
         pub = self._ctx.socket(zmq.PUB)
         replay: zmq.Socket[bytes] | None = None
         try:
@@ -152,6 +174,7 @@ class KVEventPublisher:
             _bind_or_connect(pub, self.endpoint)
             if self.replay_endpoint is not None:
                 replay = self._ctx.socket(zmq.ROUTER)
+                replay.set_hwm(self.config.buffer_steps + 1)  # a whole replay per client
                 replay.bind(self.replay_endpoint)
         except zmq.ZMQError as err:
             pub.close(linger=0)
@@ -165,12 +188,24 @@ class KVEventPublisher:
     # --- the engine's side ------------------------------------------------------------------
 
     def publish(self, events: list[CacheEvent]) -> None:
-        """Hand one step's events over (never blocks: a full queue drops them, counted)."""
-        seq, self._next_seq = self._next_seq, self._next_seq + 1
-        try:
-            self._queue.put_nowait((seq, time.time(), events))
-        except queue.Full:
-            self.dropped += 1
+        """Hand one step's events over (never blocks). A full queue keeps them for the next
+        batch; past ``max_pending_events`` they are dropped, their number skipped, counted."""
+        with self._lock:
+            if self._pending:
+                self._pending.extend(events)
+                events = self._pending
+            try:
+                self._queue.put_nowait((self._next_seq, time.time(), events))
+            except queue.Full:
+                if events is not self._pending:
+                    self._pending = list(events)
+                if len(self._pending) > self.config.max_pending_events:
+                    self._pending = []
+                    self._next_seq += 1
+                    self.dropped += 1
+                return
+            self._pending = []
+            self._next_seq += 1
 
     def close(self, timeout: float = 1.0) -> None:
         """Send what is queued (for up to ``timeout`` seconds), then close the sockets."""
@@ -188,11 +223,13 @@ class KVEventPublisher:
                     try:
                         self._serve_replays()
                     except zmq.ZMQError:  # one client's trouble: logged, the thread goes on
+                        self._replaying = None
                         log.exception("KV events: a replay request failed")
                 try:
-                    item = self._queue.get(timeout=POLL_SECONDS)
+                    item = self._queue.get(timeout=0 if self._replaying else POLL_SECONDS)
                 except queue.Empty:
-                    if self._stopping.is_set():
+                    self._flush_pending()
+                    if self._stopping.is_set() and not self._pending:
                         return
                     continue
                 if not self._stopping.is_set():
@@ -207,6 +244,16 @@ class KVEventPublisher:
             self._pub.close(linger=0)
             if self._replay is not None:
                 self._replay.close(linger=0)
+
+    def _flush_pending(self) -> None:
+        """The queue is empty: send the events a full queue held back, numbered now (the
+        engine cannot queue meanwhile, so the numbers stay in order)."""
+        with self._lock:
+            if not self._pending or not self._queue.empty():
+                return
+            events, self._pending = self._pending, []
+            seq, self._next_seq = self._next_seq, self._next_seq + 1
+        self._send(seq, time.time(), events)
 
     def _send(self, seq: int, ts: float, events: list[CacheEvent]) -> None:
         try:
@@ -229,22 +276,39 @@ class KVEventPublisher:
             parent = None if first.parent is None else external(digest(first.parent), as_int)
             tokens = [t for block in event.blocks for t in block.tokens]
             hashes = [external(digest(block), as_int) for block in event.blocks]
-            return stored(hashes, parent, tokens, self.config.block_size, None, MEDIUM_GPU,
-                          first.lora)  # fmt: skip
+            args = (hashes, parent, tokens, self.config.block_size, None, MEDIUM_GPU, first.lora)
+            if self._extra_keys:  # vLLM's per-block extra keys: the adapter's name, if any
+                extra = None if first.lora is None else (first.lora,)
+                return stored(*args, extra_keys=[extra] * len(hashes))
+            return stored(*args)
         if event.kind is CacheEventKind.REMOVED:
             return removed([external(digest(b), as_int) for b in event.blocks], MEDIUM_GPU)
         return cleared()
 
     def _serve_replays(self) -> None:
+        """Take one replay request if none is being answered, then answer the current one
+        for at most ``REPLAY_CHUNK`` batches (the rest on the next turns), then its end."""
         assert self._replay is not None
-        while self._replay.poll(0):
+        if self._replaying is None:
+            if not self._replay.poll(0):
+                return
             frames = self._replay.recv_multipart()
             if len(frames) != 3:
                 log.warning("KV events: a replay request of %d frames ignored", len(frames))
-                continue
+                return
             client, _, start = frames
-            first = int.from_bytes(start, "big")
-            for seq, payload in list(self._buffer):
-                if seq >= first:
-                    self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-            self._replay.send_multipart((client, b"", END_SEQ, b""))
+            last = self._buffer[-1][0] if self._buffer else -1
+            self._replaying = (client, int.from_bytes(start, "big"), last)
+        client, first, last = self._replaying
+        sent = 0
+        for seq, payload in self._buffer:
+            if seq > last or sent == REPLAY_CHUNK:
+                break
+            if seq >= first:
+                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+                first, sent = seq + 1, sent + 1
+        if sent == REPLAY_CHUNK and first <= last:
+            self._replaying = (client, first, last)
+            return
+        self._replaying = None
+        self._replay.send_multipart((client, b"", END_SEQ, b""))

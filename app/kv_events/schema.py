@@ -8,9 +8,12 @@ KV events appeared (and that llm-d's KV-cache manager and Dynamo decode). Block 
 64-bit integers by default (vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) or the raw
 digest bytes.
 
-Recent vLLM encodes the same structs as maps instead (no ``array_like``): a batch is
-``{"ts", "events", "data_parallel_rank"}`` and an event ``{"type": "BlockStored",
-"block_hashes": ..., ...}``; ``Map*`` below (``--kv-events-encoding map``).
+Since vllm-project/vllm#42892 (vLLM 0.24 on; v0.26.0 captured in volcano-sh/kthena#1535) the
+events are maps instead (``{"type": "BlockStored", "block_hashes": ..., "extra_keys": ...}``)
+inside the same array batch: ``Map*`` events in ``MapEventsBatch`` (``--kv-events-encoding
+map``, the default). vLLM's main branch (``vllm/distributed/kv_events.py`` at 0181ea3) makes the
+batch a map too, ``{"ts", "events", "data_parallel_rank"}``: ``MapKVEventBatch``
+(``--kv-events-encoding map-batch``).
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class MapBlockStored(MapKVCacheEvent, tag="BlockStored"):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    extra_keys: list[tuple[str] | None] | None = None  # per block: None or (lora_name,)
 
 
 class MapBlockRemoved(MapKVCacheEvent, tag="BlockRemoved"):
@@ -77,6 +81,14 @@ class MapBlockRemoved(MapKVCacheEvent, tag="BlockRemoved"):
 
 class MapAllBlocksCleared(MapKVCacheEvent, tag="AllBlocksCleared"):
     pass
+
+
+class MapEventsBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """vLLM 0.24-0.26's batch: an array ``[ts, [map events], data_parallel_rank]``."""
+
+    ts: float
+    events: list[MapBlockStored | MapBlockRemoved | MapAllBlocksCleared]
+    data_parallel_rank: int | None = None
 
 
 class MapKVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):

@@ -59,6 +59,7 @@ class GrammarMatcher:
     rolls it back first, so the matcher always stands after exactly the accepted tokens."""
 
     __slots__ = (
+        "__weakref__",
         "_closing",
         "_eos",
         "_matcher",

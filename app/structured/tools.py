@@ -104,17 +104,24 @@ def calls_schema(tools: list[ToolSpec], parallel: bool) -> dict[str, Any]:
     return schema
 
 
-def parse_calls(text: str, choice: ToolChoice) -> tuple[str | None, list[ToolCall]]:
+def parse_calls(
+    text: str, choice: ToolChoice, offered: frozenset[str] | None = None, parallel: bool = True
+) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) read back from a finished reply. Under ``NAMED`` the text is the
     arguments; under ``REQUIRED`` a JSON list of calls; under ``AUTO`` the default format's
-    blocks (the text around them is the content, None if empty). Text that does not parse stays
-    content with no calls."""
+    blocks (the text around them is the content, None if empty). Text that does not parse, and
+    under ``AUTO`` a call to a tool not ``offered`` or more than one call without
+    ``parallel``, stays content with no calls."""
     if choice.mode is ToolMode.NAMED and choice.name is not None:
         return (None, [ToolCall(choice.name, text)]) if _is_json(text) else (text, [])
     if choice.mode is ToolMode.REQUIRED:
         calls = _calls_from_list(text)
         return (None, calls) if calls else (text, [])
-    return _calls_from_blocks(text)
+    content, calls = _calls_from_blocks(text)
+    unknown = offered is not None and any(call.name not in offered for call in calls)
+    if unknown or (not parallel and len(calls) > 1):
+        return text, []
+    return content, calls
 
 
 def _calls_from_list(text: str) -> list[ToolCall]:
@@ -170,10 +177,13 @@ def tools_prompt(tools: list[ToolSpec], choice: ToolChoice) -> str:
         "To call a tool, reply with one block per call:\n"
         f'{OPEN}\n{{"name": <tool name>, "arguments": <arguments object>}}\n{CLOSE}'
     )
-    if choice.mode is ToolMode.NAMED:
-        text += f"\nCall the tool {choice.name} now."
-    elif choice.mode is ToolMode.REQUIRED:
-        text += "\nCall at least one tool now."
+    if choice.mode is ToolMode.NAMED:  # the grammar then forces the arguments object alone
+        text += f"\nCall the tool {choice.name} now: reply with its arguments object only."
+    elif choice.mode is ToolMode.REQUIRED:  # ... or a JSON list of calls
+        text += (
+            "\nCall at least one tool now: reply with a JSON list of calls, "
+            '[{"name": <tool name>, "arguments": <arguments object>}, ...].'
+        )
     return text
 
 

@@ -5,10 +5,11 @@ one ``message`` object, or Anthropic's event sequence (``message_start``,
 ``content_block_start``, ``ping``, ``content_block_delta`` ``text_delta``...,
 ``content_block_stop``, ``message_delta`` with ``stop_reason`` and usage, ``message_stop``; a
 failed model call ends the stream with an ``error`` event). ``stop_reason``: ``end_turn``,
-``max_tokens``, ``stop_sequence`` (``stop_sequence`` names it), ``tool_use``, or ``abort`` when
-the server ended the request early (vLLM's finish reason). Tools (``tools`` with
-``input_schema``, ``tool_choice`` auto/any/tool/none) reuse the chat route's tool machinery
-(``app.api.tools``: prompt, grammar of a forced call, parsing): a call is a ``tool_use`` block,
+``max_tokens``, ``stop_sequence`` (``stop_sequence`` names it) or ``tool_use``; a request the
+server ended early (DELETE, shutdown) reports ``end_turn``, Anthropic having no such reason.
+Tools (``tools`` with ``input_schema``, ``tool_choice`` auto/any/tool/none) reuse the chat
+route's tool machinery (``app.api.tools``: prompt, grammar of a forced call, parsing): a call is
+a ``tool_use`` block,
 streamed as ``input_json_delta`` pieces. Errors on these routes are in Anthropic's shape
 (``anthropic_errors``).
 """
@@ -41,7 +42,7 @@ from app.structured.tools import ToolCall, ToolChoice, ToolMode, ToolSpec
 
 router = APIRouter(prefix="/v1", tags=["anthropic"])
 
-STOP_REASONS = {"length": "max_tokens", "abort": "abort"}  # anything else ("stop"): end_turn
+STOP_REASONS = {"length": "max_tokens"}  # anything else: end_turn (an abort too)
 
 
 @router.post("/messages", responses=ERROR_RESPONSES)
@@ -57,6 +58,7 @@ async def messages(
         id_prefix="msg", tools=plan, constraint=plan.constraint() if plan else None,
         constraint_param="tools",
     )  # fmt: skip
+    await serving.precompile(internal.constraint, internal.constraint_param)  # off the loop
     run = generation.start(request, serving, internal, key_name)
     model = serving.settings.model_name
     response: Response
@@ -211,6 +213,7 @@ class MessageEvents:
         self.run, self.model = run, model
         self.open: str | None = None  # the open block's kind: "text" or "tool_use"
         self.next_index = 0
+        self.pinged = False
 
     def opening(self) -> Iterable[bytes]:
         seq = self.run.stream.seq
@@ -222,12 +225,14 @@ class MessageEvents:
         yield _event("message_start", {"message": message})
         if self.run.plan is None:
             yield from self._start({"type": "text", "text": ""})
-        yield _event("ping", {})
 
     def _start(self, block: dict[str, Any]) -> Iterable[bytes]:
         yield from self._stop()
         self.open = str(block["type"])
         yield _event("content_block_start", {"index": self.next_index, "content_block": block})
+        if not self.pinged:  # as Anthropic: after the first content_block_start
+            self.pinged = True
+            yield _event("ping", {})
 
     def _stop(self) -> Iterable[bytes]:
         if self.open is not None:
@@ -256,3 +261,6 @@ class MessageEvents:
 
     def failure(self, message: str) -> Iterable[bytes]:
         yield _event("error", {"error": {"type": "api_error", "message": message}})
+
+    def closed(self) -> None:
+        return None

@@ -18,6 +18,7 @@ early by the server), ``failed``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -36,7 +37,7 @@ from app.api.adapters.responses_schemas import (
 )
 from app.api.adapters.responses_store import ResponseStore, Stored
 from app.api.deps import KeyNameDep, ServingDep
-from app.api.errors import APIError
+from app.api.errors import RETRY_AFTER, APIError
 from app.api.logprobs import TokenText, chat_content
 from app.api.native import ERROR_RESPONSES
 from app.api.schemas import ChatMessage
@@ -73,6 +74,7 @@ async def create(
         user=body.user, model=body.model, stream=bool(body.stream), id_prefix="resp",
         constraint=constraint, constraint_param=param, tools=plan,
     )  # fmt: skip
+    await serving.precompile(internal.constraint, internal.constraint_param)  # off the loop
     run = generation.start(request, serving, internal, key_name)
     shape = ResponseShape(run, body, serving)
     entry = Stored(run.id, shape.object("queued"), messages, calls, bool(body.background))
@@ -83,6 +85,9 @@ async def create(
         response = JSONResponse(entry.response)
     elif body.stream:
         keep = _keeper(store, entry) if body.store else _discard
+        if body.store:
+            entry.response = shape.object("in_progress")
+            store.put(entry)  # GET sees it while it streams
         response = generation.stream_response(run, serving, ResponseEvents(shape, keep))
     else:
         try:
@@ -119,7 +124,8 @@ async def cancel(response_id: str, request: Request, serving: ServingDep) -> dic
     entry.cancelled = True
     await serving.cancel(entry.id)
     if entry.task is not None:
-        await asyncio.shield(entry.task)
+        with contextlib.suppress(BaseException):  # its entry says how it ended
+            await asyncio.shield(entry.task)
     return entry.response
 
 
@@ -137,6 +143,11 @@ def _check_options(body: ResponsesRequest, store: ResponseStore) -> None:
     if body.background and (not body.store or not store.enabled):
         raise _unsupported("background", "background responses must be stored (store: true, "
                            "and the server's --responses-store-size above 0)")  # fmt: skip
+    if body.background and store.running_background() >= store.size:
+        raise APIError(429, f"{store.size} background responses are running (the store's "
+                       "--responses-store-size); retry when one has finished", "overloaded_error",
+                       param="background", code="too_many_background_responses",
+                       headers={"Retry-After": RETRY_AFTER})  # fmt: skip
     if body.background and body.stream:
         raise _unsupported("stream", "a background response cannot be streamed here; poll it "
                            "with GET /v1/responses/{id}")  # fmt: skip
@@ -162,7 +173,8 @@ def tool_plan(body: ResponsesRequest, serving: Serving) -> ToolPlan | None:
         choice = ToolChoice(ToolMode(field))
     if choice.mode is ToolMode.NONE:
         return None
-    if choice.mode is ToolMode.AUTO and serving.mock_calls_tool():
+    # a mock decides whether to call under auto, unless the text has a format to follow
+    if choice.mode is ToolMode.AUTO and text_constraint(body) is None and serving.mock_calls_tool():
         choice = ToolChoice(ToolMode.REQUIRED)
     return ToolPlan(specs, choice, body.parallel_tool_calls is not False)
 
@@ -210,6 +222,10 @@ def _previous(body: ResponsesRequest, store: ResponseStore) -> Stored | None:
     if entry.running:
         raise APIError(400, f"previous response {entry.id!r} is still {entry.status}",
                        param="previous_response_id", code="previous_response_running")  # fmt: skip
+    if entry.status == "failed":
+        raise APIError(400, f"previous response {entry.id!r} failed: it has no answer to "
+                       "continue from", param="previous_response_id",
+                       code="previous_response_failed")  # fmt: skip
     return entry
 
 
@@ -298,6 +314,10 @@ async def _background(
         entry.response = shape.failed(str(err))
         store.finished(entry)
         return
+    except BaseException:  # cancelled (shutdown): it still ends
+        entry.response = shape.object("cancelled")
+        store.finished(entry)
+        raise
     finally:
         if run.stream.seq.finish_reason is None:  # cancelled from outside (shutdown)
             serving.abort(run.id)
@@ -327,7 +347,8 @@ class ResponseShape:
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
             "background": bool(body.background), "error": None, "incomplete_details": None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "model": self.model, "output": output or [], "parallel_tool_calls": True,
+            "model": self.model, "output": output or [],
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,
             "temperature": body.temperature, "top_p": body.top_p,
             "tool_choice": _dumped(body.tool_choice) or "auto",
@@ -364,8 +385,9 @@ class ResponseShape:
         """The object of a finished response (``status`` overrides the one ``outcome`` gives):
         a message item (unless the reply is only tool calls), then one item per call."""
         reason = outcome.finish_reason
-        status = status or {"length": "incomplete", "abort": "cancelled"}.get(reason, "completed")
-        incomplete = {"reason": "max_output_tokens"} if reason == "length" else None
+        status = status or ("completed" if reason == "stop" else "incomplete")
+        cut = {"length": "max_output_tokens", "abort": "cancelled"}
+        incomplete = {"reason": cut[reason]} if status == "incomplete" and reason in cut else None
         item_status = "completed" if status == "completed" else "incomplete"
         items = (
             [self.message(outcome.text, item_status)] if outcome.text or not outcome.calls else []
@@ -399,6 +421,7 @@ class ResponseEvents:
         self.index = 0  # the open (or next) output item's index
         self.said: list[str] | None = None  # the open message's text
         self.shown = 0  # output tokens whose log probabilities were sent
+        self.kept = False  # the final object was handed to keep
         self.calling: tuple[ToolCall, list[str]] | None = None  # the open call, its arguments
 
     def _event(self, kind: str, /, **data: Any) -> bytes:
@@ -474,10 +497,18 @@ class ResponseEvents:
             yield from self._open_message()  # an empty reply: still one (empty) message
         yield from self._close("completed" if final["status"] == "completed" else "incomplete")
         self.keep(final, outcome)
+        self.kept = True
         terminal = "response.completed" if final["status"] == "completed" else "response.incomplete"
         yield self._event(terminal, response=final)
 
     def failure(self, message: str) -> Iterable[bytes]:
         final = self.shape.failed(message)
         self.keep(final, None)
+        self.kept = True
         yield self._event("response.failed", response=final)
+
+    def closed(self) -> None:
+        """The stream ended before its last event (the client left): stored as cancelled."""
+        if not self.kept:
+            self.kept = True
+            self.keep(self.shape.object("cancelled"), None)

@@ -4,7 +4,8 @@ count (``--responses-store-size``) and age (``--responses-store-seconds``), so t
 work. A restart loses them (one process, no disk).
 
 Contract: ``put`` keeps an entry (a no-op with size 0); past the size bound the oldest finished
-entries go first (a running background response is never evicted: its cancel must find it);
+entries go first (a running response is never evicted: its cancel must find it; the API
+refuses a background response past ``size`` running ones);
 ``get`` returns None for an unknown or expired entry (expired: finished longer ago than the age
 bound). Single-threaded: the event loop owns it.
 """
@@ -60,6 +61,10 @@ class ResponseStore:
     @property
     def enabled(self) -> bool:
         return self.size > 0
+
+    def running_background(self) -> int:
+        """Background responses still running (bounded by the API: at most ``size``)."""
+        return sum(1 for e in self._entries.values() if e.background and e.running)
 
     def put(self, entry: Stored) -> None:
         if not self.enabled:
