@@ -32,6 +32,7 @@ from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
 from app.lora import LoRARegistry, parse_module
 from app.metrics import EngineMetrics, ranked_registry
+from app.models.bans import forbids_everything
 from app.models.cached_mock import CachedMockModel
 from app.models.mock import MockModel
 from app.models.mock_language import MockLanguage
@@ -509,12 +510,11 @@ class Serving:
         if stream is None or not self.abort(request_id):
             return False
         streams = [stream]
-        for i in range(1, self.settings.max_n):  # the other choices of an n > 1 request
-            sibling = self._live(f"{request_id}~{i}")
-            if sibling is None:
-                continue
-            self.abort(sibling.request_id)
-            streams.append(sibling)
+        siblings = f"{request_id}~"  # the other choices (n > 1, several prompts): <id>~<k>
+        for engine in self.engines:
+            for sibling_id, sibling in list(engine.core.live.items()):
+                if sibling_id.startswith(siblings) and self.abort(sibling_id):
+                    streams.append(sibling)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.gather(*(s.ended() for s in streams)), CANCEL_TIMEOUT)
         return True
@@ -564,6 +564,14 @@ class Serving:
         if params.stop_strings:
             decoder = self.tokenizer.stream_decoder()
             text_stop = StopStrings(params.stop_strings, decoder, sampling.min_tokens)
+        vocab = self.tokenizer.vocab_size
+        blame = forbids_everything(sampling, stops, vocab) if sampling.constrains_choice else None
+        if blame is not None:
+            raise InvalidRequestError(
+                f"{blame}: no token is left to sample (allowed_token_ids, logit_bias -100, "
+                "bad_words and, before min_tokens, the stop tokens forbid every token)",
+                blame, "invalid_value",
+            )  # fmt: skip
         max_tokens = self._max_tokens(len(params.prompt), params.max_tokens)
         if sampling.min_tokens > max_tokens:
             raise InvalidRequestError(

@@ -7,12 +7,15 @@ in which the chosen token is the most likely (``app/models/mock_sampling.py``)."
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 from conftest import ClientFactory
 from sse import parse_sse
 
+from app.api.aligned_tokens import AlignedTokens
+from app.engine.stop_strings import StopStringMatcher
 from app.models.cached_mock import CachedMockModel
 from app.models.mock import MockModel
 from app.models.protocol import Model
@@ -219,3 +222,163 @@ async def test_logprobs_under_a_grammar_still_put_the_chosen_token_first(
         content = choice["logprobs"]["content"]
         assert "".join(entry["token"] for entry in content) == choice["message"]["content"]
         assert all(entry["top_logprobs"][0]["token"] == entry["token"] for entry in content)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"allowed_token_ids": [101], "logit_bias": {"101": -100}}, "allowed_token_ids"),
+        ({"allowed_token_ids": [101], "bad_words": ["e"]}, "allowed_token_ids"),
+        ({"allowed_token_ids": [101], "stop_token_ids": [101], "min_tokens": 2}, "min_tokens"),
+        ({"logit_bias": {str(t): -100 for t in range(257)}}, "logit_bias"),
+        ({"logit_bias": {str(t): -100 for t in range(256)}, "min_tokens": 1}, "min_tokens"),
+    ],
+)
+async def test_a_request_forbidding_every_token_is_a_400_naming_the_field(
+    make_client: ClientFactory, extra: dict[str, Any], param: str
+) -> None:
+    async with make_client(CachedMockModel(8), num_slots=8) as client:
+        r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4} | extra)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param, r.text
+        fine = {"allowed_token_ids": [101, 102], "logit_bias": {"101": -100}}
+        text = (await _completion(client, max_tokens=4, **fine))["choices"][0]["text"]
+        assert text == "ffff"
+
+
+@pytest.mark.parametrize("model", mocks(), ids=["mock", "cached-mock"])
+async def test_a_ban_emptying_a_row_mid_output_fails_that_request_alone(
+    make_client: ClientFactory, model: Model
+) -> None:
+    """allowed 'a' and bad word 'aa': after one 'a' nothing is left (known only then)."""
+    async with make_client(model, num_slots=8) as client:
+        body = {"prompt": "hi", "max_tokens": 4, "allowed_token_ids": [97], "bad_words": ["aa"]}
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "model_error", r.text
+        assert "forbid every token" in r.json()["error"]["message"]
+        assert (await _completion(client, max_tokens=4))["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_logprobs_stop_at_a_stop_strings_cut(
+    make_client: ClientFactory, stream: bool
+) -> None:
+    """The tokens wholly past a stop string's cut (the stop string's own) leave the logprobs
+    too: the logprob tokens spell exactly the returned text, and every offset lies in it."""
+    async with make_client(CachedMockModel(8), num_slots=8) as client:
+        plain = (await _completion(client, max_tokens=30))["choices"][0]["text"]
+        stop = plain[5:7]
+        body = {"prompt": "Tell me ", "max_tokens": 30, "stop": [stop], "logprobs": 1}
+        r = await client.post("/v1/completions", json=body | {"stream": stream})
+        if stream:
+            choices = [e.data["choices"][0] for e in parse_sse(r.text)[:-1]]
+            text = "".join(c["text"] for c in choices)
+            lps = [c["logprobs"] for c in choices if c["logprobs"]]
+            tokens, offsets = (
+                flat(lp["tokens"] for lp in lps),
+                flat(lp["text_offset"] for lp in lps),
+            )
+        else:
+            choice = r.json()["choices"][0]
+            text, tokens, offsets = (
+                choice["text"],
+                choice["logprobs"]["tokens"],
+                choice["logprobs"]["text_offset"],
+            )
+        assert text == plain[: plain.find(stop)]
+        assert "".join(tokens) == text and all(offset < len(text) for offset in offsets)
+        chat = {"messages": [MESSAGE], "max_tokens": 30, "logprobs": True, "top_logprobs": 1}
+        plain = (await client.post("/v1/chat/completions", json=chat)).json()
+        content = plain["choices"][0]["message"]["content"]
+        stop = content[4:6]
+        r = await client.post(
+            "/v1/chat/completions", json=chat | {"stop": [stop], "stream": stream}
+        )
+        if stream:
+            choices = [e.data["choices"][0] for e in parse_sse(r.text)[1:-1]]
+            text = "".join(c["delta"].get("content", "") for c in choices)
+            entries = flat((c["logprobs"] or {}).get("content", []) for c in choices)
+        else:
+            choice = r.json()["choices"][0]
+            text, entries = choice["message"]["content"], choice["logprobs"]["content"]
+        assert text == content[: content.find(stop)]
+        assert "".join(e["token"] for e in entries) == text
+
+
+def test_a_token_straddling_the_stop_strings_cut_is_kept() -> None:
+    """Multi-character tokens 'ab' 'cd' 'ef' with the stop string 'de': the text is 'abc';
+    'cd' shows a character ('c'), so it stays (as vLLM keeps it); 'ef' is dropped."""
+
+    class Pieces:
+        def feed(self, ids: Sequence[int]) -> str:
+            return "".join(["ab", "cd", "ef"][i] for i in ids)
+
+        def flush(self) -> str:
+            return ""
+
+    matcher = StopStringMatcher(["de"])
+    aligned = AlignedTokens(Pieces())
+    assert aligned.take(matcher, [0, 1], None) == "abc"  # 'd' held back: could start 'de'
+    assert aligned.release() == ([0, 1], [None, None])  # 'cd' shows 'c': released
+    assert aligned.take(matcher, [2], None) == "" and matcher.hit
+    assert aligned.release() == ([], [])  # 'ef' lies wholly past the cut
+
+
+async def test_a_character_split_across_tokens_keeps_its_true_bytes_and_offsets(
+    make_client: ClientFactory,
+) -> None:
+    """The byte tokenizer splits 'é' into 195 and 169: each logprob entry shows its own byte
+    (not U+FFFD's three), and text_offset indexes the text (a split character counts once)."""
+    async with make_client(CachedMockModel(8), num_slots=8) as client:
+        body = {"prompt": "aé 日b", "max_tokens": 0, "echo": True, "logprobs": 0}
+        choice = (await client.post("/v1/completions", json=body)).json()["choices"][0]
+        lp = choice["logprobs"]
+        assert choice["text"] == "aé 日b"
+        assert lp["tokens"][:3] == ["a", "bytes:\\xc3", "bytes:\\xa9"]
+        assert lp["text_offset"] == [0, 1, 1, 2, 3, 3, 3, 4]
+        assert lp["tokens"][-1] == choice["text"][lp["text_offset"][-1]]
+        chat = {"messages": [MESSAGE], "max_tokens": 6, "logprobs": True, "top_logprobs": 2,
+                "allowed_token_ids": [195, 169]}  # fmt: skip
+        for stream in (False, True):
+            r = await client.post("/v1/chat/completions", json=chat | {"stream": stream})
+            if stream:
+                chunks = [e.data["choices"][0] for e in parse_sse(r.text)[1:-1]]
+                text = "".join(c["delta"].get("content", "") for c in chunks)
+                content = flat((c["logprobs"] or {}).get("content", []) for c in chunks)
+            else:
+                choice = r.json()["choices"][0]
+                text, content = choice["message"]["content"], choice["logprobs"]["content"]
+            assert all(len(e["bytes"]) == 1 and e["bytes"][0] in (195, 169) for e in content)
+            assert bytes(flat(e["bytes"] for e in content)).decode(errors="replace") == text
+            for entry in content:
+                assert entry["token"] == "bytes:" + "".join(f"\\x{b:02x}" for b in entry["bytes"])
+
+
+async def test_echo_scores_a_list_of_prompts_as_lm_eval_batches_them(
+    make_client: ClientFactory,
+) -> None:
+    """lm-eval's local-completions sends a list of prompts when batch_size > 1: one choice per
+    prompt (n per prompt: choice k answers prompt k // n), in order, usage summed."""
+    prompts = ["Hello there", "Bye now", "é?"]
+    async with make_client(CachedMockModel(8), num_slots=8) as client:
+        body = {"prompt": prompts, "max_tokens": 0, "echo": True, "logprobs": 1}
+        whole = (await client.post("/v1/completions", json=body)).json()
+        assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
+        assert [c["text"] for c in whole["choices"]] == prompts
+        for choice, prompt in zip(whole["choices"], prompts, strict=True):
+            values = choice["logprobs"]["token_logprobs"]
+            assert len(values) == len(prompt.encode()) and values[0] is None
+        lengths = sum(len(p.encode()) for p in prompts)
+        assert whole["usage"] == {"prompt_tokens": lengths, "completion_tokens": 0,
+                                  "total_tokens": lengths}  # fmt: skip
+        ids = [[72, 105], [66, 121, 101]]
+        body = {"prompt": ids, "max_tokens": 3, "n": 2, "echo": True}
+        two = (await client.post("/v1/completions", json=body)).json()
+        assert [c["index"] for c in two["choices"]] == [0, 1, 2, 3]
+        assert all(c["text"].startswith(("Hi", "Bye")[c["index"] // 2]) for c in two["choices"])
+        assert two["usage"]["prompt_tokens"] == 5 and two["usage"]["completion_tokens"] == 12
+        r = await client.post("/v1/completions", json=body | {"stream": True})
+        chunks = [e.data["choices"][0] for e in parse_sse(r.text)[:-1]]
+        for k in range(4):
+            text = "".join(c["text"] for c in chunks if c["index"] == k)
+            assert text == two["choices"][k]["text"]

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 from app.api.app import create_app
 from app.config import Settings
+from app.models.hf import load_model
 from app.models.hf.logits_processors import process
-from app.models.protocol import SamplingParams
+from app.models.protocol import NO_TOKEN, PrefillChunk, SamplingParams, StepBatch
 
 VOCAB = 12
 
@@ -182,15 +183,19 @@ async def test_n_choices_draw_with_seed_plus_i(tiny: Path) -> None:
     assert both["usage"]["completion_tokens"] == 12
 
 
-async def test_a_row_every_token_of_which_is_banned_samples_an_allowed_token(tiny: Path) -> None:
-    """Review (issue 19): allowed_token_ids = the stop tokens with min_tokens left no token:
-    sampled rows drew id 320 (= vocab size; a 500 for every request of the step), greedy ones
-    token 0 (not allowed). Now the min_tokens ban yields to the allow-list."""
-    async with real_client(tiny) as client:
-        for temperature in (0.0, 1.0):
-            body = {"prompt": [5, 17, 42], "max_tokens": 6, "temperature": temperature,
-                    "stop_token_ids": [2, 4], "min_tokens": 3, "allowed_token_ids": [2, 4],
-                    "stream": False, "seed": 1}  # fmt: skip
-            r = await client.post("/generate", json=body)
-            assert r.status_code == 200, r.text
-            assert set(r.json()["tokens"]) <= {2, 4} and len(r.json()["tokens"]) == 3
+def test_a_row_whose_every_token_is_banned_gets_no_token_not_nan(tiny: Path) -> None:
+    """The API refuses what it can see; a ban known only mid-output can still empty a row:
+    that row alone gets NO_TOKEN, its neighbours sample as usual, no NaN anywhere."""
+    loaded = load_model(f"hf:{tiny}", dtype="float32", num_slots=2, max_model_len=32,
+                        kv_cache_memory=1 << 20)  # fmt: skip
+    dead = SamplingParams(allowed_token_ids=(9,), bad_words=((9,),), logprobs=2)
+    alive = SamplingParams(temperature=1.0, seed=1, logprobs=2)
+    chunks = [
+        PrefillChunk(slot, [5, 17, 42], 0, True, params, f"r{slot}")
+        for slot, params in enumerate((dead, alive))
+    ]
+    result = loaded.model.step_sampled(StepBatch((), (), (), (), chunks))
+    assert result.tokens[0] == NO_TOKEN and 0 <= result.tokens[1] < 320
+    assert result.logprobs is not None and result.logprobs[0] is None
+    entry = result.logprobs[1]
+    assert entry is not None and math.isfinite(entry.logprob)

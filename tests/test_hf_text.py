@@ -150,3 +150,11 @@ def test_a_real_model_is_served_under_its_name_unless_one_is_given(checkpoint: P
     chosen = Settings(model="smollm2", model_name="small")
     assert named(chosen).model_name == "small"
     assert named(Settings()).model_name == "slotserve-mock"
+
+
+def test_token_bytes_are_the_raw_bytes_of_a_split_character(tokenizer: HFTokenizer) -> None:
+    ids = tokenizer.encode("héllo 日本")
+    raw = [tokenizer.token_bytes(i) for i in ids]
+    assert b"".join(raw) == "héllo 日本".encode()
+    assert b"\xc3" in raw and b"\xa9" in raw  # 'é' spans two tokens, one byte each
+    assert tokenizer.token_bytes(tokenizer.eos_token_id) == b""  # special: its decoded text

@@ -27,7 +27,9 @@ def _task_folder(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _evaluate(model: str, model_args: dict[str, Any], tasks: Path) -> list[dict[str, Any]]:
+def _evaluate(
+    model: str, model_args: dict[str, Any], tasks: Path, batch_size: int = 1
+) -> list[dict[str, Any]]:
     import lm_eval  # type: ignore[import-untyped]
     from lm_eval.tasks import TaskManager  # type: ignore[import-untyped]
 
@@ -37,7 +39,7 @@ def _evaluate(model: str, model_args: dict[str, Any], tasks: Path) -> list[dict[
         tasks=[TASK],
         task_manager=TaskManager(include_path=str(tasks)),
         log_samples=True,
-        batch_size=1,
+        batch_size=batch_size,
     )
     assert result is not None
     samples: list[dict[str, Any]] = sorted(result["samples"][TASK], key=lambda s: s["doc_id"])
@@ -70,8 +72,9 @@ def test_lm_eval_local_completions_answers_as_its_hf_backend(
             "local-completions",
             {"base_url": server.url + "/v1/completions", "model": "smollm2",
              "tokenizer_backend": "huggingface", "tokenizer": str(checkpoint),
-             "tokenized_requests": True, "num_concurrent": 4, "max_retries": 1},
+             "tokenized_requests": True, "num_concurrent": 2, "max_retries": 1},
             tasks,
+            batch_size=4,  # a list of 4 prompts per request (echo over several prompts)
         )  # fmt: skip
     hf = {"pretrained": str(checkpoint), "dtype": "float32", "device": "cpu"}
     theirs = _evaluate("hf", hf, tasks)

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 from sse_starlette.sse import AppStatus
 
-from app.api.streaming import EventStream
+from app.api.streaming import CHECKPOINT_SENDS, EventStream
 
 STALL_TIMEOUT = 0.05  # the tests synchronise on its wake-ups, not on durations
 EVENTS = [f"data: {i}\n\n".encode() for i in range(6)]
@@ -72,3 +72,34 @@ async def test_a_slow_reader_that_keeps_reading_gets_every_event() -> None:
 async def test_a_reader_that_stops_reading_is_cut_off_and_its_request_closed() -> None:
     taken, closed, _ = await serve("stopped")
     assert taken == EVENTS[:1] and closed
+
+
+async def test_a_disconnect_ends_a_stream_whose_events_never_suspend() -> None:
+    """Events already buffered (n > 1 choices, a fast model) are produced without suspending,
+    and after a disconnect the server's send is a no-op that does not suspend either: the
+    stream must still end within a few events, not after the last one (the requests behind
+    it kept decoding to the end)."""
+    AppStatus.disable_automatic_graceful_drain()  # type: ignore[no-untyped-call]
+    sent = asyncio.Event()
+    pulled_after = 0
+    closed = asyncio.Event()
+
+    async def plenty() -> AsyncIterator[bytes]:
+        nonlocal pulled_after
+        for i in range(10_000):
+            if sent.is_set():
+                pulled_after += 1
+            yield f"data: {i}\n\n".encode()
+
+    async def receive() -> dict[str, str]:
+        await sent.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, object]) -> None:
+        if message.get("body"):
+            sent.set()  # then the client leaves; later sends return at once (as uvicorn's)
+
+    response = EventStream(plenty(), stall_timeout=600, ping=600, on_close=closed.set)
+    await asyncio.wait_for(response(SCOPE, receive, send), timeout=10)  # type: ignore[arg-type]
+    assert closed.is_set()
+    assert pulled_after < 4 * CHECKPOINT_SENDS

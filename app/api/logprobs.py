@@ -1,5 +1,5 @@
 """Log probabilities in OpenAI's shapes (and vLLM's ``prompt_logprobs``), rendered from the
-engine's ``Logprobs`` entries. A token's text is the tokenizer's decoding of that token alone.
+engine's ``Logprobs`` entries. A token's text and bytes come from its raw bytes (``TokenText``).
 
 - Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
   "bytes"}, ...]}], "refusal": null}``, ``top_logprobs`` holding the request's
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from app.models.protocol import Logprobs
-from app.models.tokenizer import Tokenizer
+from app.models.tokenizer import StreamDecoder, Tokenizer
 
 _NEG_INF = -9999.0  # JSON has no -inf: a token the processors banned shows this (as vLLM)
 
@@ -28,21 +28,39 @@ def _value(logprob: float) -> float:
 
 
 class TokenText:
-    """Each token's text, decoded once per response."""
+    """Each token's text and raw bytes, computed once per response. A token's text is its bytes
+    as UTF-8, or, when they are not whole characters (a multi-byte character split across
+    tokens), ``bytes:`` followed by each byte as ``\\xNN`` (OpenAI's spelling); its ``bytes``
+    are always the true bytes, so a client can join split characters back."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
         self._decode = tokenizer.decode
-        self._cache: dict[int, str] = {}
+        self._cache: dict[int, tuple[str, list[int]]] = {}
 
     def decode(self, tokens: Sequence[int]) -> str:
         """Several tokens' text, decoded together."""
         return self._decode(tokens)
 
+    def stream_decoder(self) -> StreamDecoder:
+        return self._tokenizer.stream_decoder()
+
+    def _entry(self, token: int) -> tuple[str, list[int]]:
+        entry = self._cache.get(token)
+        if entry is None:
+            raw = self._tokenizer.token_bytes(token)
+            try:
+                text = raw.decode()
+            except UnicodeDecodeError:
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            entry = self._cache[token] = (text, list(raw))
+        return entry
+
     def __call__(self, token: int) -> str:
-        text = self._cache.get(token)
-        if text is None:
-            text = self._cache[token] = self._decode([token])
-        return text
+        return self._entry(token)[0]
+
+    def bytes(self, token: int) -> list[int]:
+        return self._entry(token)[1]
 
 
 def chat_content(
@@ -54,22 +72,24 @@ def chat_content(
         logprob = entry.logprob if entry is not None else 0.0
         alternatives = entry.top[:top] if entry is not None else ()
         out.append(
-            _chat_token(text(token), logprob)
-            | {"top_logprobs": [_chat_token(text(t), lp) for t, lp in alternatives]}
+            _chat_token(text, token, logprob)
+            | {"top_logprobs": [_chat_token(text, t, lp) for t, lp in alternatives]}
         )
     return out
 
 
-def _chat_token(token: str, logprob: float) -> dict[str, Any]:
-    return {"token": token, "logprob": _value(logprob), "bytes": list(token.encode())}
+def _chat_token(text: TokenText, token: int, logprob: float) -> dict[str, Any]:
+    return {"token": text(token), "logprob": _value(logprob), "bytes": text.bytes(token)}
 
 
 class CompletionLogprobs:
-    """Builds the completions ``logprobs`` object piece by piece (``text_offset`` counts the
-    characters of the tokens rendered before, starting at ``offset``)."""
+    """Builds the completions ``logprobs`` object piece by piece. A token's ``text_offset`` is
+    the length of the text decoded from the tokens before it (a character split across tokens
+    counts once, where it starts), starting at ``offset``, so offsets index the returned text."""
 
     def __init__(self, text: TokenText, top: int, offset: int = 0) -> None:
         self.text, self.top, self.offset = text, top, offset
+        self._decoder = text.stream_decoder()
 
     def render(self, tokens: Sequence[int], entries: Sequence[Logprobs | None]) -> dict[str, Any]:
         out: dict[str, list[Any]] = {
@@ -79,7 +99,7 @@ class CompletionLogprobs:
             piece = self.text(token)
             out["tokens"].append(piece)
             out["text_offset"].append(self.offset)
-            self.offset += len(piece)
+            self.offset += len(self._decoder.feed((token,)))
             if entry is None:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)

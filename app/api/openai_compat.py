@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from app.api import faults
+from app.api.aligned_tokens import AlignedTokens
 from app.api.deps import KeyNameDep, ServingDep, data_parallel_rank
 from app.api.errors import APIError, error_body, model_failed_message, model_not_found
 from app.api.logprobs import CompletionLogprobs, TokenText, chat_content, prompt_logprobs
@@ -55,11 +56,11 @@ async def list_models(serving: ServingDep) -> dict[str, Any]:
 async def completions(
     body: CompletionRequest, request: Request, serving: ServingDep, key_name: KeyNameDep
 ) -> Response:
-    ids = completion_prompt_ids(body, serving)
+    prompts = completion_prompts(body, serving)
     max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
     constraint = requested_constraint(body.response_format, body.structured_outputs)
     await serving.precompile(*constraint)
-    run = _start(request, serving, body, ids, max_tokens, "cmpl", key_name, constraint)
+    run = _start(request, serving, body, prompts, max_tokens, "cmpl", key_name, constraint)
     shape = CompletionShape(run.id, body.model or serving.settings.model_name, run, bool(body.echo))
     response = await _respond(run, body, request, serving, shape)
     return flag_ignored_priority(response, serving, body.priority)
@@ -82,7 +83,7 @@ async def chat_completions(
     if constraint is None:
         constraint = requested_constraint(body.response_format, body.structured_outputs)
     await serving.precompile(*constraint)
-    run = _start(request, serving, body, ids, max_tokens, "chatcmpl", key_name, constraint)
+    run = _start(request, serving, body, [ids], max_tokens, "chatcmpl", key_name, constraint)
     name = body.model or serving.settings.model_name
     shape = ChatShape(run.id, name, run) if plan is None else ToolChatShape(run.id, name, run, plan)
     response = await _respond(run, body, request, serving, shape)
@@ -105,31 +106,37 @@ def _tool_constraint(
     return constraint, "tools"
 
 
-def completion_prompt_ids(body: CompletionRequest, serving: Serving) -> list[int]:
-    """A completion prompt (text, token ids, or a one-element list of either) as token ids."""
+def completion_prompts(body: CompletionRequest, serving: Serving) -> list[list[int]]:
+    """A completion's prompts (text, token ids, or a list of either) as token id lists."""
     prompt = body.prompt
     if isinstance(prompt, str):
-        return serving.tokenizer.encode(prompt)
-    first = prompt[0]
-    if isinstance(first, str):
-        return serving.tokenizer.encode(first)
-    if isinstance(first, list):
-        return list(first)
-    return [token for token in prompt if isinstance(token, int)]
+        return [serving.tokenizer.encode(prompt)]
+    if all(isinstance(token, int) for token in prompt):
+        return [[token for token in prompt if isinstance(token, int)]]
+    return [
+        serving.tokenizer.encode(item) if isinstance(item, str) else list(item)
+        for item in prompt
+        if isinstance(item, (str, list))
+    ]
 
 
 @dataclass
 class Run:
-    """One OpenAI request in flight: its engine stream and its text post-processing."""
+    """One OpenAI request in flight: one engine stream and stop-string matcher per choice
+    (choice ``k`` answers prompt ``k // n``), and its text post-processing."""
 
     id: str
-    stream: RequestStream  # choice 0's (the prompt's facts: length, prompt log probabilities)
-    matcher: StopStringMatcher
+    streams: list[RequestStream]
+    matchers: list[StopStringMatcher]
     created: int
     text: TokenText  # each token's text (log probabilities)
     top: int | None = None  # alternatives per token when log probabilities were asked for
-    streams: list[RequestStream] = dataclasses.field(default_factory=list)  # one per choice
-    matchers: list[StopStringMatcher] = dataclasses.field(default_factory=list)
+    n: int = 1  # choices per prompt
+
+    @property
+    def stream(self) -> RequestStream:
+        """Choice 0's stream (the prompt's facts when there is one prompt)."""
+        return self.streams[0]
 
     def abort(self, serving: Serving) -> None:
         """End every choice still running (client gone)."""
@@ -154,7 +161,7 @@ def _start(
     request: Request,
     serving: Serving,
     body: OpenAIParams,
-    ids: list[int],
+    prompts: list[list[int]],
     max_tokens: int | None,
     prefix: str,
     key_name: str | None,
@@ -176,7 +183,7 @@ def _start(
         constraint = requested_constraint(body.response_format, body.structured_outputs)
     grammar, grammar_param = constraint
     params = GenerationParams(
-        prompt=ids, max_tokens=max_tokens, stop_token_ids=body.stop_token_ids,
+        prompt=prompts[0], max_tokens=max_tokens, stop_token_ids=body.stop_token_ids,
         stop_strings=stops, ignore_eos=body.ignore_eos, priority=body.priority,
         sampling=body.sampling(), bad_words=body.bad_words or [],
         user=key_name if key_name is not None else body.user, key_name=key_name,
@@ -185,12 +192,11 @@ def _start(
     n = _choices(body, serving)
     stream = faults.submit(request, serving, params, streaming=bool(body.stream),
                            id_prefix=prefix, model=body.model, rank=rank)  # fmt: skip
-    streams = [stream, *_fan_out(serving, params, stream, n, rank)]
+    streams = [stream, *_fan_out(serving, params, stream, prompts, n, rank)]
     matchers = [StopStringMatcher(stops, params.sampling.min_tokens) for _ in streams]
     text = TokenText(serving.tokenizer)
     top = body.top_logprobs_asked()
-    created = int(time.time())
-    return Run(stream.request_id, stream, matchers[0], created, text, top, streams, matchers)
+    return Run(stream.request_id, streams, matchers, int(time.time()), text, top, n)
 
 
 def _choices(body: OpenAIParams, serving: Serving) -> int:
@@ -206,21 +212,29 @@ def _choices(body: OpenAIParams, serving: Serving) -> int:
 
 
 def _fan_out(
-    serving: Serving, params: GenerationParams, first: RequestStream, n: int, rank: int | None
+    serving: Serving,
+    params: GenerationParams,
+    first: RequestStream,
+    prompts: list[list[int]],
+    n: int,
+    rank: int | None,
 ) -> list[RequestStream]:
-    """Choices 1 .. n-1 of a request as requests of their own (ids ``<id>~<i>``, seeds
-    ``seed + i`` when seeded, on data-parallel rank ``rank``: None, the least loaded); if one
-    is refused, the others are aborted."""
-    if n == 1 or first.seq.finish_reason is not None:  # (an injected failure: no choices)
+    """Choices 1 .. len(prompts) * n - 1 of a request as requests of their own: choice ``k``
+    answers prompt ``k // n`` (OpenAI's numbering), id ``<id>~<k>``, seed ``seed + k % n`` when
+    seeded (each prompt's choices draw as that prompt alone would), on data-parallel rank
+    ``rank`` (None: the least loaded). If one is refused, the others are aborted."""
+    if len(prompts) * n == 1 or first.seq.finish_reason is not None:  # (an injected failure)
         return []
     seed = params.sampling.seed
     streams: list[RequestStream] = []
     try:
-        for i in range(1, n):
+        for k in range(1, len(prompts) * n):
+            i = k % n
             sampling = dataclasses.replace(params.sampling, seed=None if seed is None else seed + i)
             sibling = dataclasses.replace(
-                params, request_id=f"{first.request_id}~{i}", sampling=sampling
-            )
+                params, prompt=prompts[k // n], request_id=f"{first.request_id}~{k}",
+                sampling=sampling,
+            )  # fmt: skip
             streams.append(serving.enqueue(serving.prepare(sibling), rank))
     except BaseException:
         for stream in [first, *streams]:
@@ -231,22 +245,33 @@ def _fan_out(
 
 async def _texts(run: Run, serving: Serving, index: int = 0) -> AsyncIterator[Piece]:
     """Choice ``index``'s pieces. The engine ends a request at the step whose tokens complete a
-    stop string; here the text is cut right before it."""
+    stop string; here the text is cut right before it. With log probabilities, a piece's tokens
+    are those whose text it shows (``AlignedTokens``: the stop string's tokens are dropped)."""
     decoder = serving.tokenizer.stream_decoder()
     stream, matcher = run.streams[index], run.matchers[index]
+    aligned = None if run.top is None else AlignedTokens(decoder)
     async for delta in stream:
-        text = matcher.feed_tokens(decoder, delta.tokens)
+        if aligned is None:
+            text = matcher.feed_tokens(decoder, delta.tokens)
+            tokens, entries = delta.tokens, delta.logprobs
+        else:
+            text = aligned.take(matcher, delta.tokens, delta.logprobs)
+            tokens, entries = aligned.release()
         if matcher.hit:
-            yield Piece(text, FinishReason.STOP.value, delta.tokens, delta.logprobs, index)
+            yield Piece(text, FinishReason.STOP.value, tokens, entries, index)
             return
         if delta.finish_reason is FinishReason.ERROR:
             raise _ModelFailed(stream)
         if delta.finish_reason is not None:
-            text += matcher.feed(decoder.flush()) + matcher.flush()
-            yield Piece(text, delta.finish_reason.value, delta.tokens, delta.logprobs, index)
+            rest = matcher.feed(decoder.flush()) + matcher.flush()
+            if aligned is not None:
+                aligned.shown(rest)
+                more, more_entries = aligned.release(everything=True)
+                tokens, entries = tokens + more, (entries or []) + more_entries
+            yield Piece(text + rest, delta.finish_reason.value, tokens, entries, index)
             return
-        if text or (delta.tokens and delta.logprobs is not None):
-            yield Piece(text, None, delta.tokens, delta.logprobs, index)
+        if text or (tokens and aligned is not None):
+            yield Piece(text, None, tokens, entries, index)
 
 
 async def _all_texts(run: Run, serving: Serving) -> AsyncIterator[Piece]:
@@ -288,8 +313,8 @@ class _ModelFailed(Exception):
 
 
 def _usage(run: Run) -> dict[str, int]:
-    """The prompt once, every choice's generated tokens."""
-    prompt = run.stream.seq.prompt_len
+    """Each prompt once, every choice's generated tokens."""
+    prompt = sum(stream.seq.prompt_len for stream in run.streams[:: run.n])
     generated = sum(stream.seq.num_generated for stream in run.streams)
     return {
         "prompt_tokens": prompt,
@@ -396,7 +421,8 @@ class CompletionShape(Shape):
         ]
 
     def choice(self, piece: Piece) -> dict[str, Any]:
-        seq, index = self.run.stream.seq, piece.index
+        index = piece.index
+        seq = self.run.streams[index].seq  # its prompt: prompt index // n
         first = index not in self.started
         self.started.add(index)
         if self.echo and first:

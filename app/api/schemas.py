@@ -182,6 +182,9 @@ class OpenAIParams(SamplingFields):
         return dataclasses.replace(params, logprobs=logprobs, prompt_logprobs=prompt)
 
 
+MAX_PROMPTS = 256  # prompts in one completion request (each answered by n choices)
+
+
 class CompletionRequest(OpenAIParams):
     logprobs: TopLogprobs | None = Field(None, description="log probabilities of N alternatives")
     echo: StrictBool | None = False
@@ -199,8 +202,8 @@ class CompletionRequest(OpenAIParams):
     prompt: (
         NonEmptyText
         | Annotated[list[TokenId], Field(min_length=1)]
-        | Annotated[list[Text], Field(min_length=1, max_length=1)]
-        | Annotated[list[list[TokenId]], Field(min_length=1, max_length=1)]
+        | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[list[TokenId]], Field(min_length=1, max_length=MAX_PROMPTS)]
     )
 
 

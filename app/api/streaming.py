@@ -19,6 +19,7 @@ from app.serving import Serving
 
 T = TypeVar("T")
 NO_SEND = -1  # the watchdog saw no send pending
+CHECKPOINT_SENDS = 16  # a stream suspends at least once per this many sends (see EventStream)
 MIN_PROGRESS_BYTES = 1024  # a reader taking less than this per --send-timeout has stalled
 log = logging.getLogger("slotserve.api")
 
@@ -42,7 +43,12 @@ class EventStream(EventSourceResponse):
     as an expected outcome, not a server error.
 
     ``on_close`` runs however the response ends (finished, client gone, stalled, cancelled, even
-    before the first event), so the request behind the stream is never left running.
+    before the first event), so the request behind the stream is never left running. Every
+    ``CHECKPOINT_SENDS``-th send, and every send once the client is gone, is followed by a
+    suspension point: events already buffered (n choices, a fast model) and a send that does not
+    suspend (the server's send is a no-op after a disconnect) would otherwise keep the stream
+    from ever letting the disconnect watcher run or its cancellation in, and the requests behind
+    it would decode to their end.
     """
 
     def __init__(
@@ -64,17 +70,27 @@ class EventStream(EventSourceResponse):
         self._buffered: int | None = None  # its write buffer at the previous wake-up
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gone = False
+
+        async def watched_receive() -> Message:
+            nonlocal gone
+            message = await receive()
+            gone = gone or message["type"] == "http.disconnect"
+            return message
+
         async def watched_send(message: Message) -> None:
             self._sender = asyncio.current_task()
             await send(message)
             self._sender = None
             self._sends += 1
+            if gone or not self._sends % CHECKPOINT_SENDS:
+                await asyncio.sleep(0)  # a suspension point (see the class docstring)
 
         loop = asyncio.get_running_loop()
         self._transport = scope.get("extensions", {}).get(EXTENSION, {}).get("transport")
         self._watchdog = loop.call_later(self.stall_timeout, self._watch, loop, NO_SEND)
         try:
-            await super().__call__(scope, receive, watched_send)
+            await super().__call__(scope, watched_receive, watched_send)
         except BaseException as err:
             if not self._stalled or not _is_cancellation(err):
                 raise

@@ -11,6 +11,7 @@ from app.engine.errors import ModelOutputError
 from app.engine.step import ModelOutput, SchedulerOutput
 from app.engine.types import Sequence
 from app.models.protocol import (
+    NO_TOKEN,
     CachedModel,
     Logprobs,
     Model,
@@ -226,7 +227,7 @@ def obeyed(tokens: list[int], rows: list[tuple[int, Sequence]]) -> list[int]:
     cannot apply masks: ``TokenConstraint.choose``)."""
     tokens = list(tokens)
     for index, seq in rows:
-        if seq.constraint is not None:
+        if seq.constraint is not None and tokens[index] != NO_TOKEN:
             tokens[index] = seq.constraint.choose(tokens[index])
     return tokens
 
@@ -251,8 +252,10 @@ def _obeyed_output(output: ModelOutput, rows: list[tuple[int, Sequence]]) -> Mod
 def checked_masked(tokens: list[int], masks: list[bytes | None]) -> list[int]:
     """``tokens``, or ``ModelOutputError`` if a masked row's token is not allowed by its mask."""
     for index, (token, mask) in enumerate(zip(tokens, masks, strict=True)):
-        if mask is not None and not (
-            token >> 3 < len(mask) and mask[token >> 3] >> (token & 7) & 1
+        if (
+            mask is not None
+            and token != NO_TOKEN
+            and not (token >> 3 < len(mask) and mask[token >> 3] >> (token & 7) & 1)
         ):
             raise ModelOutputError(
                 f"model sampled token {token} at row {index}, which its mask forbids"

@@ -34,7 +34,7 @@ from app.engine.slots import SlotTable
 from app.engine.step import ModelOutput, SchedulerOutput, StepOutcome
 from app.engine.types import FinishReason, RequestStatus, Sequence
 from app.engine.waiting import WaitingQueue
-from app.models.protocol import Logprobs, PrefillChunk
+from app.models.protocol import NO_TOKEN, Logprobs, PrefillChunk
 
 UNBOUNDED = 1 << 62
 
@@ -525,6 +525,14 @@ class Scheduler:
         stop token, or a token its grammar refused), else 0."""
         if seq.max_tokens == 0:
             self._finish(seq, FinishReason.LENGTH, now)
+            finished.append(seq)
+            return 1
+        if token == NO_TOKEN:
+            seq.error = ModelOutputError(
+                "no token is left to sample: the request's bans (logit_bias, bad_words, "
+                "min_tokens) and allowed_token_ids forbid every token"
+            )
+            self._finish(seq, FinishReason.ERROR, now)
             finished.append(seq)
             return 1
         if seq.constraint is not None and not seq.constraint.accept(token):

@@ -18,8 +18,9 @@ import math
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
+from app.models.bans import bias_bans, rule_bans
 from app.models.protocol import (
-    BAN_BIAS,
+    NO_TOKEN,
     Logprobs,
     SampledRow,
     SamplingParams,
@@ -34,16 +35,7 @@ NextToken = Callable[[Seq[int]], int]
 
 def banned_tokens(params: SamplingParams, history: TokenHistory) -> set[int]:
     """The tokens ``params`` forbids as the next token of ``history`` (allow-list aside)."""
-    banned = {token for token, bias in params.logit_bias if bias <= BAN_BIAS}
-    tokens, prompt_len = history.tokens, history.prompt_len
-    generated = len(tokens) - prompt_len
-    if generated < params.min_tokens:
-        banned.update(history.stop_token_ids)
-    for word in params.bad_words:
-        head = len(word) - 1
-        if head == 0 or (generated >= head and list(word[:head]) == tokens[len(tokens) - head :]):
-            banned.add(word[-1])
-    return banned
+    return bias_bans(params).union(rule_bans(params, history))
 
 
 def choose(predicted: int, params: SamplingParams, history: TokenHistory, vocab: int) -> int:
@@ -64,7 +56,7 @@ def choose(predicted: int, params: SamplingParams, history: TokenHistory, vocab:
         candidate = (predicted + step) % vocab
         if ok(candidate):
             return candidate
-    return predicted  # everything is forbidden (the API refuses such requests)
+    return NO_TOKEN  # everything is forbidden: the engine fails this request alone
 
 
 def synthetic(chosen: int, token: int, top: int, vocab: int) -> Logprobs:

@@ -95,6 +95,9 @@ class SamplingParams:
 
 
 BAN_BIAS = -100.0  # a logit_bias at or below this bans its token (OpenAI: -100)
+# What a model returns for a row whose every token is forbidden (its bans, allow-list and mask
+# leave nothing to sample): the engine fails that request alone.
+NO_TOKEN = -1
 DEFAULT_SAMPLING = SamplingParams()
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -40,6 +40,11 @@ class Tokenizer(Protocol):
 
     def stream_decoder(self) -> StreamDecoder: ...
 
+    def token_bytes(self, token: int) -> bytes:
+        """The raw bytes ``token`` stands for (part of a character when the tokenizer splits a
+        multi-byte character across tokens); a special token's are its decoded text's."""
+        ...
+
     def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         """The token ids of a chat (``(role, content)`` pairs) with the model's chat template
         applied and the assistant's turn opened."""
@@ -61,6 +66,9 @@ class ByteTokenizer:
 
     def stream_decoder(self) -> ByteStreamDecoder:
         return ByteStreamDecoder()
+
+    def token_bytes(self, token: int) -> bytes:
+        return bytes((token,)) if 0 <= token < 256 else b""
 
     def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         """The mock's chat template: one ``role: content`` line per message, then the cue."""

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
+from app.models.bans import rule_bans
 from app.models.protocol import SamplingParams, TokenHistory
 
 Rows = list[tuple[int, SamplingParams, TokenHistory | None]]
@@ -98,21 +99,8 @@ def _bias(logits: torch.Tensor, rows: Rows) -> None:
     logits.index_put_(at, values, accumulate=True)
 
 
-def banned(p: SamplingParams, history: TokenHistory | None) -> list[int]:
-    """The tokens ``p`` forbids after ``history`` (min_tokens stop ban, bad words)."""
-    if history is None:
-        return [w[0] for w in p.bad_words if len(w) == 1]
-    tokens, generated = history.tokens, len(history.tokens) - history.prompt_len
-    out = list(history.stop_token_ids) if generated < p.min_tokens else []
-    for word in p.bad_words:
-        head = len(word) - 1
-        if head == 0 or (generated >= head and list(word[:head]) == tokens[len(tokens) - head :]):
-            out.append(word[-1])
-    return out
-
-
 def _bans(logits: torch.Tensor, rows: Rows) -> None:
-    pairs = [(i, token) for i, p, history in rows for token in banned(p, history)]
+    pairs = [(i, token) for i, p, history in rows for token in rule_bans(p, history)]
     if not pairs:
         return
     device = logits.device

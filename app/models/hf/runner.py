@@ -8,7 +8,6 @@ token per decode slot and per chunk that completes a prefill.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 import torch
 
@@ -19,6 +18,7 @@ from app.models.hf.llama import LlamaForward
 from app.models.hf.sampling import Sampler
 from app.models.hf.token_mask import apply_token_masks
 from app.models.protocol import (
+    NO_TOKEN,
     Logprobs,
     PrefillChunk,
     SamplingParams,
@@ -87,13 +87,13 @@ class HFModel:
         histories += [c.history for c in batch.prefills if c.sample]
         with torch.inference_mode():
             rows = logits[:sampled]
-            raw = rows.clone() if any(p.processes_logits for p in params) else None
             logits_processors.process(rows, params, histories)  # stage 1
             rows = self._before_sampling(rows, params, positions, batch.token_masks)  # 2.
-            if raw is not None:
-                _refill_emptied(rows, raw, params, histories, batch.token_masks)
+            dead = _dead_rows(rows)
             tokens = self._sampler.sample(rows, params, positions)
-            wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+            for i in dead:
+                tokens[i] = NO_TOKEN
+            wanted = [i for i, p in enumerate(params) if p.logprobs is not None and i not in dead]
             found = logprobs.entries(
                 rows[wanted], [tokens[i] for i in wanted], [params[i].logprobs or 0 for i in wanted]
             )
@@ -193,34 +193,6 @@ class HFModel:
             )
 
 
-def _refill_emptied(
-    rows: torch.Tensor,
-    raw: torch.Tensor,
-    params: list[SamplingParams],
-    histories: list[TokenHistory | None],
-    token_masks: Sequence[bytes | None],
-) -> None:
-    """A row that the processors and its grammar mask left without any token (e.g.
-    ``allowed_token_ids`` = the stop tokens with ``min_tokens``, or a grammar that allows only
-    the end while ``min_tokens`` bans it) would draw an id past the vocabulary (or a forbidden
-    token, greedy). Such a row is redone from its ``raw`` logits without the bans (min_tokens,
-    bad_words), then, if still empty, under its grammar mask alone, then unconstrained: the
-    grammar and the allow-list win over the bans. In place; rows with a token are untouched."""
-    emptied = [int(i) for i in (~torch.isfinite(rows).any(dim=-1)).nonzero().flatten().tolist()]
-    for i in emptied:
-        mask = [token_masks[i] if i < len(token_masks) else None]
-        unbanned = replace(params[i], min_tokens=0, bad_words=())
-        for attempt in range(3):
-            row = raw[i : i + 1].clone()
-            if attempt == 0:
-                logits_processors.process(row, [unbanned], [histories[i]])
-            if attempt < 2 and mask[0] is not None:
-                apply_token_masks(row, mask)
-            if attempt == 2 or bool(torch.isfinite(row).any()):
-                rows[i] = row[0]
-                break
-
-
 def _prompt_positions(chunk: PrefillChunk) -> int:
     """How many prompt tokens after ``chunk``'s start its rows predict (for prompt logprobs):
     the row at position p predicts the token at p + 1, up to the prompt's last token."""
@@ -248,3 +220,14 @@ def _prompt_logprobs(
         )
         row += count
     return out
+
+
+def _dead_rows(logits: torch.Tensor) -> list[int]:
+    """The rows with no finite logit (their bans, allow-list and mask forbid every token),
+    zeroed in place so the sampler draws no NaN; the caller reports ``NO_TOKEN`` for them."""
+    alive = torch.isfinite(logits).any(dim=1)
+    if bool(alive.all()):
+        return []
+    dead = (~alive).nonzero().flatten()
+    logits[dead] = 0.0
+    return [int(i) for i in dead.tolist()]

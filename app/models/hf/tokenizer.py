@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 REPLACEMENT = "\ufffd"
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's scheme): the printable
+    Latin-1 bytes stand for themselves, the others, in order, for U+0100 onwards."""
+    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in kept]
+    return {chr(b): b for b in kept} | {chr(0x100 + i): b for i, b in enumerate(others)}
+
+
+BYTE_OF_CHAR = _byte_alphabet()
 
 
 class HFTokenizer:
@@ -53,6 +65,38 @@ class HFTokenizer:
 
     def stream_decoder(self) -> HFStreamDecoder:
         return HFStreamDecoder(self)
+
+    def token_bytes(self, token: int) -> bytes:
+        """A byte-level BPE token's string mapped back through the byte alphabet; a
+        SentencePiece byte-fallback token (``<0xNN>``) as its byte, another with ``▁`` as a
+        space; a special token (or one not read so) as its decoded text."""
+        piece = self._tok.convert_ids_to_tokens(token)
+        if not isinstance(piece, str) or token in self._special:
+            return self.decode([token]).encode()
+        if self._byte_level:
+            if all(c in BYTE_OF_CHAR for c in piece):
+                return bytes(BYTE_OF_CHAR[c] for c in piece)
+            return self.decode([token]).encode()
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes((int(piece[3:5], 16),))
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode()
+
+    @functools.cached_property
+    def _special(self) -> frozenset[int]:
+        return frozenset(self._tok.all_special_ids)
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        """Whether the backend decodes through the byte-level alphabet (GPT-2, SmolLM2)."""
+        decoder = getattr(getattr(self._tok, "backend_tokenizer", None), "decoder", None)
+        try:
+            state: Any = decoder.__getstate__()
+            return b'"ByteLevel"' in bytes(state)
+        except (AttributeError, TypeError):
+            return False
 
     def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         """The checkpoint's chat template with the assistant's turn opened; a checkpoint without
