@@ -282,13 +282,15 @@ async def test_the_books_balance_after_a_shared_prefix_workload(tmp_path: Path) 
         assert len(books) > 5
         kinds = {type(e) for b in sub.batches.values() for e in b.events}
         assert kinds == {BlockStored, BlockRemoved}  # the workload overflows the cache
-        assert sub.topics == {b"kv@test"}
         assert publisher.dropped == 0
         # a reset: the free blocks go, and an idle cache is cleared in one event
         assert await engine.reset_prefix_cache()
         await settle(publisher, sub)
         assert isinstance(sub.batches[max(sub.batches)].events[-1], AllBlocksCleared)
         assert sub.books() == set() == expected_books(engine)
+        # checked last: the SUB socket has surely joined by the reset (on a loaded machine the
+        # whole workload can go out before it does, and come back by replay, topic-less)
+        assert sub.topics == {b"kv@test"}
     finally:
         await engine.stop()
         publisher.close()
