@@ -4,6 +4,8 @@ cached model's prefix contract, and outputs equal to the sequential reference.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import httpx
 import pytest
 from conftest import ClientFactory
@@ -101,6 +103,20 @@ def test_a_cached_prefix_is_not_prefilled_again_and_is_counted_as_hits() -> None
     assert (chunk.start, chunk.token_ids, list(chunk.prefix)) == (8, [11, 12], b.tokens[:8])
     assert out.num_prefill_tokens == 2  # the step clock charges b1 for these only
     assert (out.prefix_queries, out.prefix_hits) == (10, 8)
+
+
+def test_a_request_that_skips_the_cache_is_not_counted_as_a_query() -> None:
+    """Review (integration): a prompt_logprobs request skips the lookup (every prompt position
+    must be computed) but its prompt was still added to vllm:prefix_cache_queries, so the hit
+    rate read low under lm-eval traffic. As in vLLM, it is neither a query nor a hit."""
+    scheduler = cached()
+    run_out(scheduler, seq("a", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]))
+    b = Sequence("b", [1, 2, 3, 4, 5, 6, 7, 8, 11, 12], 3, frozenset({STOP}),
+                 sampling=dataclasses.replace(DEFAULT_SAMPLING, prompt_logprobs=0))  # fmt: skip
+    scheduler.add(b, 0.0)
+    out = scheduler.schedule(0.0)
+    assert chunk_of(out, "b").start == 0
+    assert (out.prefix_queries, out.prefix_hits) == (0, 0)
 
 
 def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:

@@ -388,7 +388,9 @@ class Scheduler:
                 self.prefix_cache.acquire(seq, hits)
                 self._free_blocks -= cost
                 seq.prefilled = len(hits) * self.books.block_size
-                if seq.times.admitted is None:  # a resume's re-lookup is not a query (vLLM)
+                # a resume's re-lookup is not a query, nor is a request that skips the cache
+                # (prompt log probabilities), as in vLLM
+                if seq.times.admitted is None and seq.prompt_logprobs is None:
                     out.prefix_queries += seq.prompt_len
                     out.prefix_hits += seq.prefilled
             self._admissions += 1
