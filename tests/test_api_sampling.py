@@ -382,3 +382,19 @@ async def test_echo_scores_a_list_of_prompts_as_lm_eval_batches_them(
         for k in range(4):
             text = "".join(c["text"] for c in chunks if c["index"] == k)
             assert text == two["choices"][k]["text"]
+
+
+async def test_an_n_that_can_never_fit_is_a_400_not_a_retryable_429(
+    make_client: ClientFactory,
+) -> None:
+    """Review (integration): with 2 slots and a waiting bound of 2, n=9 got 429 queue_full and
+    Retry-After on an idle server, though no retry could ever succeed. Now a 400 naming n."""
+    async with make_client(MockModel(), num_slots=2, max_waiting=2) as client:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 5}
+        r = await client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        assert "retry-after" not in r.headers
+        r = await client.post("/v1/chat/completions", json={**body, "n": 4})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 4
+        r = await client.post("/v1/completions", json={"prompt": ["a", "b", "c"], "n": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text

@@ -189,7 +189,7 @@ def _start(
         user=key_name if key_name is not None else body.user, key_name=key_name,
         constraint=grammar, constraint_param=grammar_param, lora=lora,
     )  # fmt: skip
-    n = _choices(body, serving)
+    n = _choices(body, serving, len(prompts), rank)
     stream = faults.submit(request, serving, params, streaming=bool(body.stream),
                            id_prefix=prefix, model=body.model, rank=rank)  # fmt: skip
     streams = [stream, *_fan_out(serving, params, stream, prompts, n, rank)]
@@ -199,8 +199,10 @@ def _start(
     return Run(stream.request_id, streams, matchers, int(time.time()), text, top, n)
 
 
-def _choices(body: OpenAIParams, serving: Serving) -> int:
-    """``n`` checked against ``--max-n`` (``best_of`` may only repeat it)."""
+def _choices(body: OpenAIParams, serving: Serving, prompts: int, rank: int | None) -> int:
+    """``n`` checked against ``--max-n`` (``best_of`` may only repeat it), and the request's
+    ``prompts * n`` engine requests against what its ranks can ever hold (slots + waiting
+    bound): past it a retry could never succeed, so it is a 400, not a 429."""
     n = body.n or 1
     if n > serving.settings.max_n:
         raise APIError(400, f"n ({n}) exceeds this server's --max-n ({serving.settings.max_n})",
@@ -208,6 +210,13 @@ def _choices(body: OpenAIParams, serving: Serving) -> int:
     if body.best_of is not None and body.best_of != n:
         raise APIError(400, "best_of must equal n (no server-side ranking of choices)",
                        param="best_of", code="unsupported_parameter")  # fmt: skip
+    settings = serving.settings
+    ranks = 1 if rank is not None else settings.data_parallel_size
+    room = ranks * (settings.num_slots + settings.max_waiting)
+    if prompts * n > room:
+        raise APIError(400, f"{prompts} prompt(s) x n={n} = {prompts * n} sequences exceed what "
+                       f"this server can ever hold at once ({room}: slots + --max-waiting)",
+                       param="n", code="invalid_value")  # fmt: skip
     return n
 
 
