@@ -316,3 +316,74 @@ def test_the_compiled_grammar_cache_is_bounded_by_its_sources_size(
         compiler.matcher(Constraint.json_schema({"type": "object", "properties": props}))
         assert compiler._template_bytes <= 50_000
     assert 0 < len(compiler._templates) < 12
+
+
+class ReferenceChooser:
+    """``GrammarMatcher.choose``'s rules as plainly as they read: the mask first, every step
+    (the matcher is only asked for masks and fed accepted tokens)."""
+
+    def __init__(self, constraint: Constraint) -> None:
+        self.matcher = COMPILER.matcher(constraint)
+        self.run = self.steered = 0
+
+    def choose(self, preferred: int) -> int:
+        mask = self.matcher.mask()
+        ids = [t for t in range(TOKENIZER.vocab_size) if allowed(mask, t)]
+        if self.run < grammar.RUN_LIMIT and preferred in ids:
+            self.steered = 0
+            return preferred
+        self.steered += 1
+        if self.steered > grammar.RUN_LIMIT:
+            if EOS_TOKEN_ID in ids or not ids:
+                return EOS_TOKEN_ID
+            return ids[((self.steered * 0x9E3779B1) >> 16) % len(ids)]
+        for token in (EOS_TOKEN_ID, *map(ord, grammar.CLOSING)):
+            if token in ids:
+                return token
+        if ord(grammar.NUMBER) in ids and not self.run:
+            return ord(grammar.NUMBER)
+        if preferred in ids or not ids:
+            return preferred if ids else EOS_TOKEN_ID
+        return ids[0]
+
+    def accept(self, token: int) -> bool:
+        self.run = 0 if chr(token) in grammar.STRUCTURAL and token < 256 else self.run + 1
+        return self.matcher.accept(token)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    schema=SCHEMAS,
+    preferences=st.lists(
+        st.tuples(st.sampled_from([*b'abz09 -.:,"{}[]\\e\x00', EOS_TOKEN_ID]), st.booleans()),
+        min_size=1,
+        max_size=300,
+    ),
+    run_limit=st.sampled_from([1, 3, grammar.RUN_LIMIT]),
+)
+def test_the_mocks_choices_follow_the_plain_rules_also_when_tokens_are_dropped(
+    schema: dict[str, Any], preferences: list[tuple[int, bool]], run_limit: int
+) -> None:
+    """The matcher consumes its choice (and a whole forced run) ahead of ``accept``: its
+    choices are still the plain rules' (a mask each step), also when an offered token is
+    dropped (preempted during the call) and the next call comes back to an earlier state.
+    (Short run limits make the rotation's counting matter.)"""
+    saved, grammar.RUN_LIMIT = grammar.RUN_LIMIT, run_limit
+    try:
+        check_choices(Constraint.json_schema(schema), preferences)
+    finally:
+        grammar.RUN_LIMIT = saved
+
+
+def check_choices(constraint: Constraint, preferences: list[tuple[int, bool]]) -> None:
+    matcher, reference = COMPILER.matcher(constraint), ReferenceChooser(constraint)
+    for preferred, dropped in preferences:
+        token = matcher.choose(preferred)
+        assert token == reference.choose(preferred)
+        if dropped:
+            continue
+        assert matcher.accept(token) and reference.accept(token)
+        assert matcher.finished == reference.matcher.finished
+        if matcher.finished:
+            break
+    assert matcher.mask() == reference.matcher.mask()

@@ -11,6 +11,7 @@ token), the scheduler feeds it every accepted token.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
@@ -18,12 +19,18 @@ from typing import TYPE_CHECKING, Any
 import llguidance
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from app.models.tokenizer import Tokenizer
+from app.models.tokenizer import ByteTokenizer, Tokenizer
 from app.structured.constraint import Constraint, ConstraintError, ConstraintKind, shorten
 from app.structured.vocab import grammar_vocabulary
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # only in the type stubs
+
+# llguidance reports a grammar's end (and its errors) as a Rust error value, which captures a
+# backtrace when RUST_BACKTRACE is set (as on many development machines): ~30 us per request's
+# end, never shown to anyone. Library backtraces are off unless asked for by their own variable
+# (panics still honour RUST_BACKTRACE). Read once, at the first error: set before any.
+os.environ.setdefault("RUST_LIB_BACKTRACE", "0")
 
 # JSON is generated compact: no free whitespace (a model cannot pad it forever, and a mock's
 # spaces are not taken as JSON's), "," and ":" separators.
@@ -54,27 +61,38 @@ class GrammarMatcher:
     uses it from one thread at a time (the runner before a call, the scheduler after it).
 
     ``choose`` consumes the token it keeps (one parser step instead of a check and then a
-    step); that token is *pending* until ``accept`` confirms it. If the request's token was
-    dropped instead (aborted or preempted during the call), the next ``choose`` or ``mask``
-    rolls it back first, so the matcher always stands after exactly the accepted tokens."""
+    step); that token is *offered* until ``accept`` confirms it. Where the grammar forces the
+    next tokens (``{"name":"`` in a JSON object) and the vocabulary is one byte per token (the
+    mocks'), ``choose`` consumes the whole forced run in one call and offers it a token per
+    step, without a parser call. The llguidance matcher may so stand *ahead* of the accepted
+    tokens; if an offered token was dropped instead (aborted or preempted during the call), the
+    next ``choose`` or ``mask`` rolls back whatever is ahead first, so the matcher always
+    answers as if it stood after exactly the accepted tokens."""
 
     __slots__ = (
         "__weakref__",
+        "_ahead",
         "_closing",
         "_eos",
+        "_forced_bytes",
         "_matcher",
         "_number",
-        "_pending",
+        "_offered",
         "_run",
         "_steered",
         "_structural",
     )
 
-    def __init__(self, matcher: Any, eos: int, steering: Steering) -> None:
+    def __init__(
+        self, matcher: Any, eos: int, steering: Steering, *, byte_tokens: bool = False
+    ) -> None:
         self._matcher = matcher
         self._eos = eos
         self._closing, self._number, self._structural = steering
-        self._pending: int | None = None
+        # whether token t is byte t (and no token is longer): a forced byte is a forced token
+        self._forced_bytes = byte_tokens
+        self._ahead: list[int] = []  # consumed past the accepted tokens, the next one last
+        self._offered = False  # ``_ahead[-1]`` was returned by ``choose``, not yet accepted
         self._run = 0  # accepted tokens since the last structural one (for ``choose``)
         self._steered = 0  # ``choose`` calls in a row that could not keep the model's token
 
@@ -85,10 +103,13 @@ class GrammarMatcher:
 
     def accept(self, token: int) -> bool:
         """Advance past ``token``; False if the grammar forbids it (the matcher is then broken)."""
-        pending, self._pending = self._pending, None
-        if pending != token:
-            if pending is not None:
-                self._matcher.rollback(1)
+        ahead = self._ahead
+        if self._offered and ahead[-1] == token:  # ``choose`` consumed it already
+            ahead.pop()
+            self._offered = False
+        else:
+            if ahead:
+                self._settle()
             if not self._matcher.consume_token(token):
                 return False
         self._run = 0 if token in self._structural else self._run + 1
@@ -97,21 +118,31 @@ class GrammarMatcher:
     @property
     def finished(self) -> bool:
         """The grammar ended (its end token was accepted): nothing more may be generated."""
-        return bool(self._matcher.is_stopped())
+        return not self._ahead and bool(self._matcher.is_stopped())
 
     def choose(self, preferred: int) -> int:
         """The token a model that cannot apply a mask emits: ``preferred`` while the grammar
         allows it and the current run is short, else the first allowed of EOS and the closing
         tokens, else ``preferred`` if allowed, else the lowest allowed id; after ``RUN_LIMIT``
         such choices in a row, EOS or an allowed token in a deterministic rotation (so a cycle
-        of preferences cannot last). It steers toward completing the structure."""
-        self._settle()
-        if self._run < RUN_LIMIT and self._matcher.try_consume_tokens([preferred]) == 1:
-            self._pending = preferred
+        of preferences cannot last). It steers toward completing the structure. (A token the
+        grammar forces is the only allowed one: every rule above returns it.)"""
+        ahead = self._ahead
+        if ahead:
+            if not self._offered:
+                return self._offer_forced(preferred)
+            self._settle()  # the offered token was dropped
+        matcher = self._matcher
+        if self._run < RUN_LIMIT and matcher.try_consume_tokens([preferred]) == 1:
+            ahead.append(preferred)
+            self._offered = True
             self._steered = 0
             return preferred
-        mask = bytes(self._matcher.compute_bitmask())
         self._steered += 1
+        if self._forced_bytes and self._consume_forced():
+            self._offered = True
+            return ahead[-1]
+        mask = bytes(matcher.compute_bitmask())
         if self._steered > RUN_LIMIT:  # the preferences below may cycle (a closing byte that is
             return self._rotate(mask)  # also string content, an alternation): rotate instead
         for token in (self._eos, *self._closing):
@@ -125,6 +156,31 @@ class GrammarMatcher:
             if byte:
                 return index * 8 + (byte & -byte).bit_length() - 1
         return self._eos  # nothing allowed: the grammar is broken; end the request
+
+    def _consume_forced(self) -> bool:
+        """Consume the bytes the grammar forces next, if any, into ``_ahead`` (a byte
+        vocabulary: each is a token, the only one allowed at its step)."""
+        forced = self._matcher.compute_ff_bytes()
+        if not forced:
+            return False
+        run = list(forced)
+        consumed = self._matcher.try_consume_tokens(run)
+        if not consumed:
+            return False
+        del run[consumed:]
+        run.reverse()
+        self._ahead.extend(run)
+        return True
+
+    def _offer_forced(self, preferred: int) -> int:
+        """The next token of a forced run consumed ahead, counted as ``choose`` counts it."""
+        token = self._ahead[-1]
+        self._offered = True
+        if token == preferred and self._run < RUN_LIMIT:
+            self._steered = 0  # the model's own token, kept
+        else:
+            self._steered += 1
+        return token
 
     def _rotate(self, mask: bytes) -> int:
         """EOS if allowed, else an allowed token picked by a deterministic rotation."""
@@ -140,10 +196,12 @@ class GrammarMatcher:
         return ids[((self._steered * 0x9E3779B1) >> 16) % len(ids)] if ids else self._eos
 
     def _settle(self) -> None:
-        """Roll back a token ``choose`` consumed that was never accepted (it was dropped)."""
-        if self._pending is not None:
-            self._pending = None
-            self._matcher.rollback(1)
+        """Roll back the tokens consumed past the accepted ones (a dropped offer, a forced
+        run not yet accepted)."""
+        if self._ahead:
+            self._matcher.rollback(len(self._ahead))
+            self._ahead.clear()
+            self._offered = False
 
 
 class GrammarCompiler:
@@ -156,6 +214,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()  # the LRU: compiles may run on worker threads
         self.vocab_size = tokenizer.vocab_size
         self._eos = tokenizer.eos_token_id
+        self._byte_tokens = isinstance(tokenizer, ByteTokenizer)  # token t is byte t (or EOS)
         number = _single_tokens(tokenizer, (NUMBER,))
         self._steering: Steering = (
             _single_tokens(tokenizer, CLOSING),
@@ -184,7 +243,9 @@ class GrammarCompiler:
             if template.is_error():
                 raise ConstraintError(shorten(template.get_error()))
             self._keep(constraint, template)
-        return GrammarMatcher(template.deep_copy(), self._eos, self._steering)
+        return GrammarMatcher(
+            template.deep_copy(), self._eos, self._steering, byte_tokens=self._byte_tokens
+        )
 
     def _keep(self, constraint: Constraint, template: Any) -> None:
         """Cache a compiled grammar, evicting the least recently used past the bounds."""
