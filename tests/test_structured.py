@@ -336,6 +336,9 @@ class ReferenceChooser:
         if self.steered > grammar.RUN_LIMIT:
             if EOS_TOKEN_ID in ids or not ids:
                 return EOS_TOKEN_ID
+            closing = [t for t in map(ord, grammar.CLOSING) if t in ids]
+            if self.steered % 2 and closing:
+                return closing[0]
             return ids[((self.steered * 0x9E3779B1) >> 16) % len(ids)]
         for token in (EOS_TOKEN_ID, *map(ord, grammar.CLOSING)):
             if token in ids:

@@ -124,9 +124,10 @@ class GrammarMatcher:
         """The token a model that cannot apply a mask emits: ``preferred`` while the grammar
         allows it and the current run is short, else the first allowed of EOS and the closing
         tokens, else ``preferred`` if allowed, else the lowest allowed id; after ``RUN_LIMIT``
-        such choices in a row, EOS or an allowed token in a deterministic rotation (so a cycle
-        of preferences cannot last). It steers toward completing the structure. (A token the
-        grammar forces is the only allowed one: every rule above returns it.)"""
+        such choices in a row, EOS, a closing token every other step, or an allowed token in a
+        deterministic rotation (so a cycle of preferences cannot last). It steers toward
+        completing the structure. (A token the grammar forces is the only allowed one: every
+        rule above returns it.)"""
         ahead = self._ahead
         if ahead:
             if not self._offered:
@@ -183,9 +184,16 @@ class GrammarMatcher:
         return token
 
     def _rotate(self, mask: bytes) -> int:
-        """EOS if allowed, else an allowed token picked by a deterministic rotation."""
+        """EOS if allowed, else (every other call) the first allowed closing token, else an
+        allowed token picked by a deterministic rotation. (The closing tokens are tried too:
+        a rotation over many allowed tokens may step around the one that ends a string, as in
+        an e-mail address's domain, for thousands of tokens.)"""
         if allowed(mask, self._eos):
             return self._eos
+        if self._steered & 1:
+            for token in self._closing:
+                if allowed(mask, token):
+                    return token
         ids = [
             i * 8 + bit
             for i, byte in enumerate(mask)
