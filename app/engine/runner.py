@@ -227,8 +227,9 @@ def obeyed(tokens: list[int], rows: list[tuple[int, Sequence]]) -> list[int]:
     cannot apply masks: ``TokenConstraint.choose``)."""
     tokens = list(tokens)
     for index, seq in rows:
-        if seq.constraint is not None and tokens[index] != NO_TOKEN:
-            tokens[index] = seq.constraint.choose(tokens[index])
+        constraint, token = seq.constraint, tokens[index]
+        if constraint is not None and token != NO_TOKEN:
+            tokens[index] = constraint.choose(token)
     return tokens
 
 

@@ -72,6 +72,7 @@ class GrammarMatcher:
     __slots__ = (
         "__weakref__",
         "_ahead",
+        "_candidates",
         "_closing",
         "_eos",
         "_forced_bytes",
@@ -81,6 +82,7 @@ class GrammarMatcher:
         "_run",
         "_steered",
         "_structural",
+        "finished",
     )
 
     def __init__(
@@ -89,12 +91,15 @@ class GrammarMatcher:
         self._matcher = matcher
         self._eos = eos
         self._closing, self._number, self._structural = steering
+        self._candidates = (eos, *self._closing)  # what a refused token is replaced with first
         # whether token t is byte t (and no token is longer): a forced byte is a forced token
         self._forced_bytes = byte_tokens
         self._ahead: list[int] = []  # consumed past the accepted tokens, the next one last
         self._offered = False  # ``_ahead[-1]`` was returned by ``choose``, not yet accepted
         self._run = 0  # accepted tokens since the last structural one (for ``choose``)
         self._steered = 0  # ``choose`` calls in a row that could not keep the model's token
+        # the grammar ended (its end token was accepted): nothing more may be generated
+        self.finished = False
 
     def mask(self) -> bytes:
         """The allowed next tokens as a bitmask: bit t (byte t // 8, bit t % 8) is token t."""
@@ -102,7 +107,8 @@ class GrammarMatcher:
         return bytes(self._matcher.compute_bitmask())
 
     def accept(self, token: int) -> bool:
-        """Advance past ``token``; False if the grammar forbids it (the matcher is then broken)."""
+        """Advance past ``token``; False if the grammar forbids it (the matcher is then broken).
+        ``finished`` then says whether the grammar has ended."""
         ahead = self._ahead
         if self._offered and ahead[-1] == token:  # ``choose`` consumed it already
             ahead.pop()
@@ -113,12 +119,9 @@ class GrammarMatcher:
             if not self._matcher.consume_token(token):
                 return False
         self._run = 0 if token in self._structural else self._run + 1
+        if not ahead:  # (a forced run still ahead: the grammar goes on)
+            self.finished = bool(self._matcher.is_stopped())
         return True
-
-    @property
-    def finished(self) -> bool:
-        """The grammar ended (its end token was accepted): nothing more may be generated."""
-        return not self._ahead and bool(self._matcher.is_stopped())
 
     def choose(self, preferred: int) -> int:
         """The token a model that cannot apply a mask emits: ``preferred`` while the grammar
@@ -140,38 +143,49 @@ class GrammarMatcher:
             self._steered = 0
             return preferred
         self._steered += 1
-        if self._forced_bytes and self._consume_forced():
-            self._offered = True
-            return ahead[-1]
+        if self._forced_bytes:
+            forced = self._consume_forced()
+            if forced is not None:
+                return forced
+        if self._steered <= RUN_LIMIT:  # each candidate tried (and kept) in order: cheaper
+            for token in self._candidates:  # than a mask for the first few
+                if self._take(token):
+                    return token
+            if self._number is not None and not self._run and self._take(self._number):
+                return self._number
+            if self._run >= RUN_LIMIT and self._take(preferred):  # (else it was refused above)
+                return preferred
         mask = bytes(matcher.compute_bitmask())
-        if self._steered > RUN_LIMIT:  # the preferences below may cycle (a closing byte that is
+        if self._steered > RUN_LIMIT:  # the preferences above may cycle (a closing byte that is
             return self._rotate(mask)  # also string content, an alternation): rotate instead
-        for token in (self._eos, *self._closing):
-            if allowed(mask, token):
-                return token
-        if self._number is not None and allowed(mask, self._number) and not self._run:
-            return self._number
-        if allowed(mask, preferred):
-            return preferred
         for index, byte in enumerate(mask):
             if byte:
                 return index * 8 + (byte & -byte).bit_length() - 1
         return self._eos  # nothing allowed: the grammar is broken; end the request
 
-    def _consume_forced(self) -> bool:
-        """Consume the bytes the grammar forces next, if any, into ``_ahead`` (a byte
-        vocabulary: each is a token, the only one allowed at its step)."""
+    def _take(self, token: int) -> bool:
+        """Consume ``token`` and offer it, if the grammar allows it."""
+        if self._matcher.try_consume_tokens([token]) != 1:
+            return False
+        self._ahead.append(token)
+        self._offered = True
+        return True
+
+    def _consume_forced(self) -> int | None:
+        """Consume the bytes the grammar forces next, if any, into ``_ahead`` and offer the
+        first (a byte vocabulary: each is a token, the only one allowed at its step); EOS if
+        llguidance refuses its own forced bytes (it never should: the request then ends with
+        an error, its grammar broken)."""
         forced = self._matcher.compute_ff_bytes()
         if not forced:
-            return False
-        run = list(forced)
-        consumed = self._matcher.try_consume_tokens(run)
-        if not consumed:
-            return False
-        del run[consumed:]
+            return None
+        run: list[int] = list(forced)
+        if not self._matcher.consume_tokens(run):  # (one call: half the cost of a checked
+            return self._eos  # ``try_consume_tokens``, a quarter of a call per token)
         run.reverse()
         self._ahead.extend(run)
-        return True
+        self._offered = True
+        return run[-1]
 
     def _offer_forced(self, preferred: int) -> int:
         """The next token of a forced run consumed ahead, counted as ``choose`` counts it."""
