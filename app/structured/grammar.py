@@ -45,6 +45,7 @@ MAX_SOURCE = 64 << 10  # a constraint's source at most (a schema, regex, grammar
 STRUCTURAL = '"{}[],:'
 CLOSING = ('"', "}", "]", ",")  # after EOS, in this order: strings, objects, arrays, items
 NUMBER = "1"  # a value that must start (no string, object or array allowed): a number
+NONE = -1  # no token
 
 
 Steering = tuple[tuple[int, ...], int | None, frozenset[int]]  # closing, number, structural ids
@@ -60,25 +61,24 @@ class GrammarMatcher:
     """One request's grammar state (an ``llguidance.LLMatcher``). Not thread-safe: the engine
     uses it from one thread at a time (the runner before a call, the scheduler after it).
 
-    ``choose`` consumes the token it keeps (one parser step instead of a check and then a
-    step); that token is *offered* until ``accept`` confirms it. Where the grammar forces the
+    ``choose`` consumes the token it returns (one parser step instead of a check and then a
+    step); that token is *pending* until ``accept`` confirms it. Where the grammar forces the
     next tokens (``{"name":"`` in a JSON object) and the vocabulary is one byte per token (the
-    mocks'), ``choose`` consumes the whole forced run in one call and offers it a token per
-    step, without a parser call. The llguidance matcher may so stand *ahead* of the accepted
-    tokens; if an offered token was dropped instead (aborted or preempted during the call), the
-    next ``choose`` or ``mask`` rolls back whatever is ahead first, so the matcher always
-    answers as if it stood after exactly the accepted tokens."""
+    mocks'), ``choose`` consumes the whole forced run in one call and returns a token of it
+    per step without a parser call: the rest of the run is *ahead*. If the pending token was
+    dropped instead (aborted or preempted during the call), the next ``choose`` or ``mask``
+    rolls back the pending and ahead tokens first, so the matcher always answers as if it
+    stood after exactly the accepted tokens."""
 
     __slots__ = (
         "__weakref__",
         "_ahead",
-        "_candidates",
         "_closing",
         "_eos",
         "_forced_bytes",
         "_matcher",
         "_number",
-        "_offered",
+        "_pending",
         "_run",
         "_steered",
         "_structural",
@@ -91,11 +91,10 @@ class GrammarMatcher:
         self._matcher = matcher
         self._eos = eos
         self._closing, self._number, self._structural = steering
-        self._candidates = (eos, *self._closing)  # what a refused token is replaced with first
         # whether token t is byte t (and no token is longer): a forced byte is a forced token
         self._forced_bytes = byte_tokens
-        self._ahead: list[int] = []  # consumed past the accepted tokens, the next one last
-        self._offered = False  # ``_ahead[-1]`` was returned by ``choose``, not yet accepted
+        self._pending = NONE  # consumed by ``choose``, returned, not yet accepted
+        self._ahead: list[int] = []  # consumed past the pending one (a forced run), next last
         self._run = 0  # accepted tokens since the last structural one (for ``choose``)
         self._steered = 0  # ``choose`` calls in a row that could not keep the model's token
         # the grammar ended (its end token was accepted): nothing more may be generated
@@ -109,18 +108,15 @@ class GrammarMatcher:
     def accept(self, token: int) -> bool:
         """Advance past ``token``; False if the grammar forbids it (the matcher is then broken).
         ``finished`` then says whether the grammar has ended."""
-        ahead = self._ahead
-        if self._offered and ahead[-1] == token:  # ``choose`` consumed it already
-            ahead.pop()
-            self._offered = False
+        if token == self._pending:  # ``choose`` consumed it already
+            self._pending = NONE
         else:
-            if ahead:
-                self._settle()
+            self._settle()
             if not self._matcher.consume_token(token):
                 return False
         self._run = 0 if token in self._structural else self._run + 1
-        if not ahead:  # (a forced run still ahead: the grammar goes on)
-            self.finished = bool(self._matcher.is_stopped())
+        if not self._ahead:  # (a forced run still ahead: the grammar goes on)
+            self.finished = self._matcher.is_stopped()
         return True
 
     def choose(self, preferred: int) -> int:
@@ -131,31 +127,39 @@ class GrammarMatcher:
         deterministic rotation (so a cycle of preferences cannot last). It steers toward
         completing the structure. (A token the grammar forces is the only allowed one: every
         rule above returns it.)"""
-        ahead = self._ahead
-        if ahead:
-            if not self._offered:
-                return self._offer_forced(preferred)
-            self._settle()  # the offered token was dropped
-        matcher = self._matcher
-        if self._run < RUN_LIMIT and matcher.try_consume_tokens([preferred]) == 1:
-            ahead.append(preferred)
-            self._offered = True
+        if self._pending != NONE:
+            self._settle()  # the pending token was dropped
+        elif self._ahead:  # the next token of a forced run (consumed already)
+            token = self._pending = self._ahead.pop()
+            if token == preferred and self._run < RUN_LIMIT:
+                self._steered = 0  # the model's own token, kept
+            else:
+                self._steered += 1
+            return token
+        if self._run < RUN_LIMIT and self._matcher.try_consume_tokens([preferred]) == 1:
+            self._pending = preferred
             self._steered = 0
             return preferred
+        return self._steer(preferred)
+
+    def _steer(self, preferred: int) -> int:
+        """``choose`` when ``preferred`` is refused (or the run is too long)."""
         self._steered += 1
         if self._forced_bytes:
             forced = self._consume_forced()
             if forced is not None:
                 return forced
         if self._steered <= RUN_LIMIT:  # each candidate tried (and kept) in order: cheaper
-            for token in self._candidates:  # than a mask for the first few
+            if self._matcher.is_accepting() and self._take(self._eos):  # than a mask for
+                return self._eos  # the first few (EOS is allowed where the grammar accepts)
+            for token in self._closing:
                 if self._take(token):
                     return token
             if self._number is not None and not self._run and self._take(self._number):
                 return self._number
             if self._run >= RUN_LIMIT and self._take(preferred):  # (else it was refused above)
                 return preferred
-        mask = bytes(matcher.compute_bitmask())
+        mask = bytes(self._matcher.compute_bitmask())
         if self._steered > RUN_LIMIT:  # the preferences above may cycle (a closing byte that is
             return self._rotate(mask)  # also string content, an alternation): rotate instead
         for index, byte in enumerate(mask):
@@ -164,18 +168,17 @@ class GrammarMatcher:
         return self._eos  # nothing allowed: the grammar is broken; end the request
 
     def _take(self, token: int) -> bool:
-        """Consume ``token`` and offer it, if the grammar allows it."""
+        """Consume ``token`` (pending), if the grammar allows it."""
         if self._matcher.try_consume_tokens([token]) != 1:
             return False
-        self._ahead.append(token)
-        self._offered = True
+        self._pending = token
         return True
 
     def _consume_forced(self) -> int | None:
-        """Consume the bytes the grammar forces next, if any, into ``_ahead`` and offer the
-        first (a byte vocabulary: each is a token, the only one allowed at its step); EOS if
-        llguidance refuses its own forced bytes (it never should: the request then ends with
-        an error, its grammar broken)."""
+        """Consume the bytes the grammar forces next, if any, and return the first (pending;
+        the rest ahead). A byte vocabulary: each is a token, the only one allowed at its step.
+        EOS if llguidance refuses its own forced bytes (it never should: the request then ends
+        with an error, its grammar broken)."""
         forced = self._matcher.compute_ff_bytes()
         if not forced:
             return None
@@ -183,19 +186,9 @@ class GrammarMatcher:
         if not self._matcher.consume_tokens(run):  # (one call: half the cost of a checked
             return self._eos  # ``try_consume_tokens``, a quarter of a call per token)
         run.reverse()
-        self._ahead.extend(run)
-        self._offered = True
-        return run[-1]
-
-    def _offer_forced(self, preferred: int) -> int:
-        """The next token of a forced run consumed ahead, counted as ``choose`` counts it."""
-        token = self._ahead[-1]
-        self._offered = True
-        if token == preferred and self._run < RUN_LIMIT:
-            self._steered = 0  # the model's own token, kept
-        else:
-            self._steered += 1
-        return token
+        self._pending = run.pop()
+        self._ahead = run
+        return self._pending
 
     def _rotate(self, mask: bytes) -> int:
         """EOS if allowed, else (every other call) the first allowed closing token, else an
@@ -218,12 +211,13 @@ class GrammarMatcher:
         return ids[((self._steered * 0x9E3779B1) >> 16) % len(ids)] if ids else self._eos
 
     def _settle(self) -> None:
-        """Roll back the tokens consumed past the accepted ones (a dropped offer, a forced
-        run not yet accepted)."""
-        if self._ahead:
-            self._matcher.rollback(len(self._ahead))
-            self._ahead.clear()
-            self._offered = False
+        """Roll back the tokens consumed past the accepted ones (a dropped pending token and
+        the rest of its forced run)."""
+        consumed = (self._pending != NONE) + len(self._ahead)
+        if consumed:
+            self._matcher.rollback(consumed)
+            self._pending = NONE
+            self._ahead = []
 
 
 class GrammarCompiler:
