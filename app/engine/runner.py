@@ -224,13 +224,18 @@ class ConstrainedRows:
 
 def obeyed(tokens: list[int], rows: list[tuple[int, Sequence]]) -> list[int]:
     """``tokens`` with each constrained row's token made to obey its grammar (for a model that
-    cannot apply masks: ``TokenConstraint.choose``)."""
-    tokens = list(tokens)
+    cannot apply masks: ``TokenConstraint.choose``): a new list if any was replaced, else
+    ``tokens`` itself."""
+    changed: list[int] | None = None  # copied at the first replaced token (most are kept)
     for index, seq in rows:
         constraint, token = seq.constraint, tokens[index]
         if constraint is not None and token != NO_TOKEN:
-            tokens[index] = constraint.choose(token)
-    return tokens
+            chosen = constraint.choose(token)
+            if chosen != token:
+                if changed is None:
+                    changed = list(tokens)
+                changed[index] = chosen
+    return tokens if changed is None else changed
 
 
 def _obeyed_output(output: ModelOutput, rows: list[tuple[int, Sequence]]) -> ModelOutput:
@@ -238,6 +243,8 @@ def _obeyed_output(output: ModelOutput, rows: list[tuple[int, Sequence]]) -> Mod
     a replaced token takes the place of the one it replaced in that row's log probabilities,
     so the reported token is still the most likely (the mocks' synthetic distribution)."""
     tokens = obeyed(output.tokens, rows)
+    if tokens is output.tokens:
+        return output
     logprobs = output.logprobs
     if logprobs is not None:
         logprobs = list(logprobs)
