@@ -136,26 +136,32 @@ class GrammarMatcher:
         rule above returns it.)"""
         if self._pending != NONE:
             self._settle()  # the pending token was dropped
-        elif self._ahead:  # the next token of a forced run (consumed already)
-            token = self._pending = self._ahead.pop()
-            if token == preferred and self._run < RUN_LIMIT:
-                self._steered = 0  # the model's own token, kept
-            else:
-                self._steered += 1
-            return token
+        elif self._ahead:
+            return self._offer(preferred)
+        looked = self._steered > 0 and self._forced_bytes  # after a refusal, a forced run
+        if looked and self._consume_forced():  # often follows: look first (a try saved)
+            return self._offer(preferred)
         if self._run < RUN_LIMIT and self._matcher.try_consume_tokens([preferred]) == 1:
             self._pending = preferred
             self._steered = 0
             return preferred
+        if self._forced_bytes and not looked and self._consume_forced():
+            return self._offer(preferred)
         return self._steer(preferred)
 
+    def _offer(self, preferred: int) -> int:
+        """The next forced token (consumed already), counted as ``choose`` counts a token."""
+        token = self._pending = self._ahead.pop()
+        if token == preferred and self._run < RUN_LIMIT:
+            self._steered = 0  # the model's own token, kept
+        else:
+            self._steered += 1
+        return token
+
     def _steer(self, preferred: int) -> int:
-        """``choose`` when ``preferred`` is refused (or the run is too long)."""
+        """``choose`` when ``preferred`` is refused (or the run is too long) and no token is
+        forced (or the vocabulary is not one of bytes)."""
         self._steered += 1
-        if self._forced_bytes:
-            forced = self._consume_forced()
-            if forced is not None:
-                return forced
         if self._steered <= RUN_LIMIT:  # each candidate tried (and kept) in order: cheaper
             if self._matcher.is_accepting() and self._take(self._eos):  # than a mask for
                 return self._eos  # the first few (EOS is allowed where the grammar accepts)
@@ -181,21 +187,20 @@ class GrammarMatcher:
         self._pending = token
         return True
 
-    def _consume_forced(self) -> int | None:
-        """Consume the bytes the grammar forces next, if any, and return the first (pending;
-        the rest ahead). A byte vocabulary: each is a token, the only one allowed at its step.
-        EOS if llguidance refuses its own forced bytes (it never should: the request then ends
-        with an error, its grammar broken)."""
+    def _consume_forced(self) -> bool:
+        """Consume the bytes the grammar forces next, if any, into ``_ahead`` (a byte
+        vocabulary: each is a token, the only one allowed at its step). If llguidance refused
+        its own forced bytes (it never should), the matcher is broken: it then allows only
+        EOS, and the request ends with an error."""
         forced = self._matcher.compute_ff_bytes()
         if not forced:
-            return None
+            return False
         run: list[int] = list(forced)
         if not self._matcher.consume_tokens(run):  # (one call: half the cost of a checked
-            return self._eos  # ``try_consume_tokens``, a quarter of a call per token)
+            return False  # ``try_consume_tokens``, a quarter of a call per token)
         run.reverse()
-        self._pending = run.pop()
         self._ahead = run
-        return self._pending
+        return True
 
     def _rotate(self, mask: bytes) -> int:
         """EOS if allowed, else (every other call) the first allowed closing token, else an
