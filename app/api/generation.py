@@ -29,7 +29,7 @@ from fastapi.responses import Response
 
 from app.api import faults
 from app.api.deps import data_parallel_rank
-from app.api.errors import model_failed_message, model_not_found
+from app.api.errors import APIError, generation_failed, model_not_found
 from app.api.native import flag_ignored_priority
 from app.api.streaming import sse_response, until_disconnected
 from app.api.tool_reader import CallReader, CallStart, Piece, TextPiece, read_calls
@@ -85,6 +85,7 @@ class Run:
     stream: RequestStream
     stops: list[str]
     plan: ToolPlan | None = None
+    grammar_param: str | None = None  # the field that set the request's grammar, if one did
     created: int = field(default_factory=lambda: int(time.time()))
     matcher: StopStringMatcher = field(init=False)
     raw: list[str] = field(default_factory=list)  # decoded text before stop strings are cut
@@ -111,10 +112,13 @@ class Run:
 
 
 class ModelFailed(Exception):
-    """The model call serving this request failed (or a failure was injected as one)."""
+    """The request ended in error: the model call serving it failed (or a failure was injected
+    as one), or the grammar engine gave up on its grammar. ``error`` is the answer: 500
+    ``model_error``, or 400 ``invalid_grammar`` naming the field that set the grammar."""
 
-    def __init__(self, stream: RequestStream) -> None:
-        super().__init__(model_failed_message(stream.seq.error))
+    def __init__(self, run: Run) -> None:
+        self.error: APIError = generation_failed(run.stream.seq.error, run.grammar_param)
+        super().__init__(self.error.message)
 
 
 def start(request: Request, serving: Serving, internal: InternalRequest, key: str | None) -> Run:
@@ -134,7 +138,8 @@ def start(request: Request, serving: Serving, internal: InternalRequest, key: st
         request, serving, params, streaming=internal.stream, id_prefix=internal.id_prefix,
         model=internal.model, rank=rank,
     )  # fmt: skip
-    return Run(stream.request_id, stream, internal.stop_strings, internal.tools)
+    grammar_param = internal.constraint_param if internal.constraint is not None else None
+    return Run(stream.request_id, stream, internal.stop_strings, internal.tools, grammar_param)
 
 
 async def texts(run: Run, serving: Serving) -> AsyncIterator[tuple[str, str | None]]:
@@ -156,7 +161,7 @@ async def texts(run: Run, serving: Serving) -> AsyncIterator[tuple[str, str | No
             yield text, FinishReason.STOP.value
             return
         if delta.finish_reason is FinishReason.ERROR:
-            raise ModelFailed(run.stream)
+            raise ModelFailed(run)
         if delta.finish_reason is not None:
             tail = decoder.flush()
             run.raw.append(tail)
@@ -211,8 +216,10 @@ class EventShaper(Protocol):
         """After the last text: the protocol's end events."""
         ...
 
-    def failure(self, message: str) -> Iterable[bytes]:
-        """A model call failed mid-stream: the protocol's error event(s), the stream's last."""
+    def failure(self, error: APIError) -> Iterable[bytes]:
+        """The request ended in error mid-stream (``ModelFailed.error``: a failed model call, or
+        the grammar engine giving up on its grammar): the protocol's error event(s), the
+        stream's last."""
         ...
 
     def closed(self) -> None:
@@ -247,7 +254,7 @@ async def _events(run: Run, serving: Serving, shaper: EventShaper) -> AsyncItera
                 for event in _shaped(shaper, piece):
                     yield event
     except ModelFailed as err:
-        for event in shaper.failure(str(err)):
+        for event in shaper.failure(err.error):
             yield event
         return
     if reader is None:

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from app.api import faults
 from app.api.aligned_tokens import AlignedTokens
 from app.api.deps import KeyNameDep, ServingDep, data_parallel_rank
-from app.api.errors import APIError, error_body, model_failed_message, model_not_found
+from app.api.errors import APIError, generation_failed, model_not_found
 from app.api.logprobs import CompletionLogprobs, TokenText, chat_content, prompt_logprobs
 from app.api.native import ERROR_RESPONSES, flag_ignored_priority
 from app.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIParams
@@ -132,6 +132,7 @@ class Run:
     text: TokenText  # each token's text (log probabilities)
     top: int | None = None  # alternatives per token when log probabilities were asked for
     n: int = 1  # choices per prompt
+    grammar_param: str | None = None  # the field that set the request's grammar, if one did
 
     @property
     def stream(self) -> RequestStream:
@@ -196,7 +197,8 @@ def _start(
     matchers = [StopStringMatcher(stops, params.sampling.min_tokens) for _ in streams]
     text = TokenText(serving.tokenizer)
     top = body.top_logprobs_asked()
-    return Run(stream.request_id, streams, matchers, int(time.time()), text, top, n)
+    return Run(stream.request_id, streams, matchers, int(time.time()), text, top, n,
+               grammar_param if grammar is not None else None)  # fmt: skip
 
 
 def _choices(body: OpenAIParams, serving: Serving, prompts: int, rank: int | None) -> int:
@@ -270,7 +272,7 @@ async def _texts(run: Run, serving: Serving, index: int = 0) -> AsyncIterator[Pi
             yield Piece(text, FinishReason.STOP.value, tokens, entries, index)
             return
         if delta.finish_reason is FinishReason.ERROR:
-            raise _ModelFailed(stream)
+            raise _ModelFailed(generation_failed(stream.seq.error, run.grammar_param))
         if delta.finish_reason is not None:
             rest = matcher.feed(decoder.flush()) + matcher.flush()
             if aligned is not None:
@@ -317,8 +319,12 @@ async def _all_texts(run: Run, serving: Serving) -> AsyncIterator[Piece]:
 
 
 class _ModelFailed(Exception):
-    def __init__(self, stream: RequestStream) -> None:
-        super().__init__(model_failed_message(stream.seq.error))
+    """A choice ended in error: ``error`` is the answer (500 ``model_error``, or 400
+    ``invalid_grammar`` when the grammar engine gave up on the request's grammar)."""
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 def _usage(run: Run) -> dict[str, int]:
@@ -359,7 +365,7 @@ async def _collect(run: Run, serving: Serving) -> list[Piece]:
                 whole.logprobs += piece.logprobs or [None] * len(piece.tokens)
     except _ModelFailed as err:
         run.abort(serving)
-        raise APIError(500, str(err), "server_error", code="model_error") from err
+        raise err.error from err
     return wholes
 
 
@@ -374,7 +380,7 @@ async def _stream_chunks(
                 yield sse_event(None, chunk)
     except _ModelFailed as err:
         run.abort(serving)
-        yield sse_event(None, error_body(str(err), "server_error", None, "model_error"))
+        yield sse_event(None, err.error.body())
         return
     if include_usage:
         yield sse_event(None, shape.usage_chunk(_usage(run), run.created))

@@ -538,9 +538,7 @@ class Scheduler:
             finished.append(seq)
             return 1
         if seq.constraint is not None and not seq.constraint.accept(token):
-            seq.error = ModelOutputError(  # (a grammar-engine limit, or a model that broke it)
-                f"the request's grammar could not take token {token}"
-            )
+            seq.error = seq.constraint.refusal(token)  # a grammar-engine limit, or a model bug
             self._finish(seq, FinishReason.ERROR, now)
             finished.append(seq)
             return 1

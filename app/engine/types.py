@@ -76,6 +76,12 @@ class TokenConstraint(Protocol):
         """Advance past ``token``; False if the grammar forbids it."""
         ...
 
+    def refusal(self, token: int) -> Exception:
+        """Why ``accept(token)`` returned False: ``GrammarLimitError`` if the grammar engine gave
+        up on the request's grammar (a limit on its work per token: the client's grammar),
+        else ``ModelOutputError`` (the model emitted a token its grammar forbids: a bug)."""
+        ...
+
     @property
     def finished(self) -> bool:
         """The grammar has ended: nothing more may be generated."""

@@ -68,7 +68,7 @@ async def messages(
         try:
             outcome = await generation.await_outcome(request, run, serving)
         except generation.ModelFailed as err:
-            raise APIError(500, str(err), "server_error", code="model_error") from err
+            raise err.error from err
         response = JSONResponse(message_object(run.id, model, outcome))
     return generation.flag_priority(response, serving, internal)
 
@@ -259,8 +259,9 @@ class MessageEvents:
         yield _event("message_delta", {"delta": delta, "usage": usage})
         yield _event("message_stop", {})
 
-    def failure(self, message: str) -> Iterable[bytes]:
-        yield _event("error", {"error": {"type": "api_error", "message": message}})
+    def failure(self, error: APIError) -> Iterable[bytes]:
+        kind = "api_error" if error.status >= 500 else "invalid_request_error"
+        yield _event("error", {"error": {"type": kind, "message": error.message}})
 
     def closed(self) -> None:
         return None
