@@ -55,7 +55,7 @@ class InternalRequest:
     ignore_eos: bool = False
     priority: int = 0
     user: str | None = None  # the body's own user field (a named API key wins)
-    model: str | None = None  # the model the body named (None: the served one)
+    model: str | None = None  # the model the body named: the served one, or a LoRA adapter
     stream: bool = False
     id_prefix: str = "gen"
     constraint: Constraint | None = None  # what the output must match (structured outputs)
@@ -86,6 +86,7 @@ class Run:
     stops: list[str]
     plan: ToolPlan | None = None
     grammar_param: str | None = None  # the field that set the request's grammar, if one did
+    model: str = ""  # the model the reply names: the one the body named, else the served one
     created: int = field(default_factory=lambda: int(time.time()))
     matcher: StopStringMatcher = field(init=False)
     raw: list[str] = field(default_factory=list)  # decoded text before stop strings are cut
@@ -121,25 +122,38 @@ class ModelFailed(Exception):
         super().__init__(self.error.message)
 
 
+def adapter(serving: Serving, model: str | None) -> str | None:
+    """The LoRA adapter ``model`` names (None: the served model, or none named), looked up as on
+    the OpenAI routes (adapters only with ``--enable-lora``); 404 ``model_not_found`` if
+    ``model`` names neither."""
+    try:
+        return serving.adapter(model)
+    except LookupError:
+        raise model_not_found(str(model), serving.settings.model_name) from None
+
+
 def start(request: Request, serving: Serving, internal: InternalRequest, key: str | None) -> Run:
-    """Check the model name and submit ``internal`` once (through failure injection); the
-    submit's refusals propagate as they do on every route. ``key``: the API key's name."""
-    if internal.model is not None and internal.model != serving.settings.model_name:
-        raise model_not_found(internal.model, serving.settings.model_name)
+    """Check the model name (the served model or a loaded LoRA adapter, which the request then
+    runs with) and submit ``internal`` once (through failure injection); the submit's refusals
+    propagate as they do on every route. ``key``: the API key's name."""
+    lora = adapter(serving, internal.model)
     rank = data_parallel_rank(request, serving)
     params = GenerationParams(
         prompt=internal.prompt, max_tokens=internal.max_tokens,
         stop_token_ids=internal.stop_token_ids, stop_strings=internal.stop_strings,
         ignore_eos=internal.ignore_eos, priority=internal.priority, sampling=internal.sampling,
         user=key if key is not None else internal.user, key_name=key,
-        constraint=internal.constraint, constraint_param=internal.constraint_param,
+        constraint=internal.constraint, constraint_param=internal.constraint_param, lora=lora,
     )  # fmt: skip
     stream = faults.submit(
         request, serving, params, streaming=internal.stream, id_prefix=internal.id_prefix,
         model=internal.model, rank=rank,
     )  # fmt: skip
     grammar_param = internal.constraint_param if internal.constraint is not None else None
-    return Run(stream.request_id, stream, internal.stop_strings, internal.tools, grammar_param)
+    model = internal.model or serving.settings.model_name
+    return Run(
+        stream.request_id, stream, internal.stop_strings, internal.tools, grammar_param, model
+    )
 
 
 async def texts(run: Run, serving: Serving) -> AsyncIterator[tuple[str, str | None]]:

@@ -32,7 +32,7 @@ from app.api.adapters.anthropic_schemas import (
     ToolResultBlock,
 )
 from app.api.deps import KeyNameDep, ServingDep
-from app.api.errors import APIError, model_not_found
+from app.api.errors import APIError
 from app.api.native import ERROR_RESPONSES
 from app.api.schemas import ChatMessage
 from app.api.streaming import sse_event
@@ -60,7 +60,7 @@ async def messages(
     )  # fmt: skip
     await serving.precompile(internal.constraint, internal.constraint_param)  # off the loop
     run = generation.start(request, serving, internal, key_name)
-    model = serving.settings.model_name
+    model = run.model  # the model named (a LoRA adapter is echoed), else the served one
     response: Response
     if body.stream:
         response = generation.stream_response(run, serving, MessageEvents(run, model))
@@ -76,8 +76,7 @@ async def messages(
 @router.post("/messages/count_tokens", responses=ERROR_RESPONSES)
 async def count_tokens(body: CountTokensRequest, serving: ServingDep) -> dict[str, int]:
     """The prompt's length in tokens, as ``/v1/messages`` would send it to the model."""
-    if body.model is not None and body.model != serving.settings.model_name:
-        raise model_not_found(body.model, serving.settings.model_name)
+    generation.adapter(serving, body.model)  # the served model or a LoRA adapter, else 404
     plan = tool_plan(body, serving, decide=False)
     return {"input_tokens": len(prompt_ids(body, plan, serving))}
 

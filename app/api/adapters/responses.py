@@ -332,7 +332,7 @@ class ResponseShape:
     """The ``response`` object of one request, at any status."""
 
     def __init__(self, run: generation.Run, body: ResponsesRequest, serving: Serving) -> None:
-        self.run, self.body, self.model = run, body, serving.settings.model_name
+        self.run, self.body, self.model = run, body, run.model  # a LoRA adapter is echoed
         self.top = body.logprobs_asked()  # None: no log probabilities
         self.token_text = TokenText(serving.tokenizer)
         self.id = run.id
