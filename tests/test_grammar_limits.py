@@ -5,13 +5,18 @@ stream's error event when streamed). A token the grammar forbids stays a model e
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
+from typing import Any
 
 import openai
 import pytest
+from conftest import ClientFactory
 from server_process import ServerProcess, running_server
+from sse import parse_sse
 from test_structured import COMPILER, MaskedRandomModel, constrained, drive, replays
 
+from app.api import generation
 from app.api.errors import generation_failed
 from app.engine.errors import GrammarLimitError, ModelOutputError
 from app.engine.types import FinishReason
@@ -123,3 +128,41 @@ def test_a_streamed_request_ends_with_the_one_error_event(server: ServerProcess)
     assert isinstance(caught.value.body, dict)
     assert caught.value.body["code"] == "invalid_grammar"
     assert caught.value.body["param"] == "structured_outputs.grammar"
+
+
+async def test_responses_and_messages_answer_it_in_their_own_shapes(
+    make_client: ClientFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Their grammars come from tools or ``text.format`` (JSON schemas, which do not reach the
+    limits): here the internal request gets the ambiguous grammar, blamed on ``tools``."""
+    real_start = generation.start
+
+    def start(request: Any, serving: Any, internal: generation.InternalRequest, key: Any) -> Any:
+        grammar = Constraint.grammar(AMBIGUOUS)
+        internal = dataclasses.replace(internal, constraint=grammar, constraint_param="tools")
+        return real_start(request, serving, internal, key)
+
+    monkeypatch.setattr(generation, "start", start)
+    async with make_client() as client:
+        body: dict[str, Any] = {"input": "hi", "max_output_tokens": 500}
+        whole = await client.post("/v1/responses", json=body)
+        assert whole.status_code == 400, whole.text
+        error = whole.json()["error"]
+        assert (error["code"], error["param"]) == ("invalid_grammar", "tools")
+        assert LIMIT_MESSAGE in error["message"]
+        events = await client.post("/v1/responses", json=body | {"stream": True})
+        streamed = parse_sse(events.text)
+        assert streamed[-1].event == "response.failed"
+        failed = streamed[-1].data["response"]["error"]
+        assert failed["code"] == "invalid_grammar" and LIMIT_MESSAGE in failed["message"]
+
+        body = {"max_tokens": 500, "messages": [{"role": "user", "content": "hi"}]}
+        whole = await client.post("/v1/messages", json=body)
+        assert whole.status_code == 400, whole.text
+        assert whole.json()["error"]["type"] == "invalid_request_error"
+        assert whole.json()["error"]["message"].startswith("tools: ")
+        events = await client.post("/v1/messages", json=body | {"stream": True})
+        streamed = parse_sse(events.text)
+        assert streamed[-1].event == "error"
+        assert streamed[-1].data["error"]["type"] == "invalid_request_error"
+        assert LIMIT_MESSAGE in streamed[-1].data["error"]["message"]
