@@ -496,11 +496,13 @@ class Scheduler:
 
     def _take(self, policy: Policy, seq: Sequence, now: float) -> None:
         """Take ``seq`` out of the queue for admission: every request ahead of it in the queue
-        is overtaken once; its own count restarts."""
+        is overtaken once (but a fork waiting for its source, which could not start); its own
+        count restarts."""
         for ahead in self.waiting:
             if ahead is seq:
                 break
-            policy.overtake(ahead)
+            if not ahead.awaits_fork:
+                policy.overtake(ahead)
         self.waiting.remove(seq.request_id)
         seq.overtaken = 0  # served: the count restarts
         policy.on_admitted(seq, now, first=seq.times.admitted is None)
