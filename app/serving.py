@@ -408,10 +408,16 @@ class Serving:
         ``enqueue``."""
         return self.enqueue(self.prepare(params, id_prefix))
 
-    def prepare(self, params: GenerationParams, id_prefix: str = "gen") -> Sequence:
+    def prepare(
+        self, params: GenerationParams, id_prefix: str = "gen", fork_of: Sequence | None = None
+    ) -> Sequence:
         """The request as a sequence, checked against the model (vocabulary, context length,
-        KV capacity); ``InvalidRequestError`` if it cannot run. Nothing is queued yet."""
-        return self._sequence(params, id_prefix)
+        KV capacity); ``InvalidRequestError`` if it cannot run. Nothing is queued yet.
+        ``fork_of``: another choice of the same prompt, queued before it on the same rank,
+        whose prompt cache it may start from (``Sequence.fork_of``)."""
+        seq = self._sequence(params, id_prefix)
+        seq.fork_of = fork_of
+        return seq
 
     def enqueue(self, seq: Sequence, rank: int | None = None) -> RequestStream:
         """Queue a prepared sequence on data-parallel rank ``rank`` (None: the least loaded).
@@ -443,6 +449,10 @@ class Serving:
         """The stream of the live request ``request_id``, on whichever rank holds it."""
         rank = self._rank_of(request_id) if len(self.engines) > 1 else 0
         return None if rank is None else self.engines[rank].core.live.get(request_id)
+
+    def rank_of(self, request_id: str) -> int | None:
+        """The data-parallel rank whose engine holds the live request ``request_id``."""
+        return self._rank_of(request_id)
 
     def _rank_of(self, request_id: str) -> int | None:
         """The rank whose engine holds the live request ``request_id``."""

@@ -232,12 +232,15 @@ def _fan_out(
 ) -> list[RequestStream]:
     """Choices 1 .. len(prompts) * n - 1 of a request as requests of their own: choice ``k``
     answers prompt ``k // n`` (OpenAI's numbering), id ``<id>~<k>``, seed ``seed + k % n`` when
-    seeded (each prompt's choices draw as that prompt alone would), on data-parallel rank
-    ``rank`` (None: the least loaded). If one is refused, the others are aborted."""
+    seeded (each prompt's choices draw as that prompt alone would), on the first choice's
+    data-parallel rank. Each prompt's choices after its first fork from that first one in the
+    scheduler (its prompt is prefilled once). If one is refused, the others are aborted."""
     if len(prompts) * n == 1 or first.seq.finish_reason is not None:  # (an injected failure)
         return []
+    if rank is None and len(serving.engines) > 1:
+        rank = serving.rank_of(first.request_id)
     seed = params.sampling.seed
-    streams: list[RequestStream] = []
+    choices = [first]
     try:
         for k in range(1, len(prompts) * n):
             i = k % n
@@ -246,12 +249,13 @@ def _fan_out(
                 params, prompt=prompts[k // n], request_id=f"{first.request_id}~{k}",
                 sampling=sampling,
             )  # fmt: skip
-            streams.append(serving.enqueue(serving.prepare(sibling), rank))
+            source = choices[k - i].seq if i else None  # its prompt's first choice
+            choices.append(serving.enqueue(serving.prepare(sibling, fork_of=source), rank))
     except BaseException:
-        for stream in [first, *streams]:
+        for stream in choices:
             serving.abort(stream.request_id)
         raise
-    return streams
+    return choices[1:]
 
 
 async def _texts(run: Run, serving: Serving, index: int = 0) -> AsyncIterator[Piece]:

@@ -42,6 +42,9 @@ class EngineConfig:
     # Publish the prefix cache's changes (KV events) to the engine's ``KVEventSink``.
     kv_events: bool = False
     max_loras: int | None = None  # LoRA: distinct adapters per batch (None: LoRA off)
+    # n > 1: choices after the first fork from its prompt cache (``Engine`` turns it off for a
+    # model that cannot share prompts; see ``SchedulerConfig.share_prompts``)
+    share_prompts: bool = True
     step_costs: StepCosts = NO_STEP_TIME  # the simulated step time (zero: none)
     seed: int = 0  # the step clock's jitter
     # Run each model call in a worker thread, unless the model declares ``blocking = False``
@@ -61,6 +64,7 @@ class EngineConfig:
             enable_prefix_caching=self.enable_prefix_caching,
             record_kv_events=self.kv_events and self.enable_prefix_caching,
             max_loras=self.max_loras,
+            share_prompts=self.share_prompts,
         )
 
 
