@@ -454,6 +454,11 @@ class Serving:
         """The data-parallel rank whose engine holds the live request ``request_id``."""
         return self._rank_of(request_id)
 
+    def has_room(self, rank: int) -> bool:
+        """Whether rank ``rank``'s engine would take one more request now (``enqueue`` would
+        not raise ``QueueFullError``)."""
+        return self.engines[rank].core.has_room()
+
     def _rank_of(self, request_id: str) -> int | None:
         """The rank whose engine holds the live request ``request_id``."""
         return next((r for r, e in enumerate(self.engines) if request_id in e.core.live), None)
@@ -517,14 +522,14 @@ class Serving:
         """Abort a live request and wait (at most ``CANCEL_TIMEOUT``) until the engine has
         applied it, so its id is free again on return. False if no live request has this id."""
         stream = self._live(request_id)
-        if stream is None or not self.abort(request_id):
-            return False
-        streams = [stream]
-        siblings = f"{request_id}~"  # the other choices (n > 1, several prompts): <id>~<k>
-        for engine in self.engines:
+        streams = [stream] if stream is not None and self.abort(request_id) else []
+        siblings = f"{request_id}~"  # the other choices (n > 1, several prompts): <id>~<k>,
+        for engine in self.engines:  # live even when the first one has ended
             for sibling_id, sibling in list(engine.core.live.items()):
                 if sibling_id.startswith(siblings) and self.abort(sibling_id):
                     streams.append(sibling)
+        if not streams:
+            return False
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.gather(*(s.ended() for s in streams)), CANCEL_TIMEOUT)
         return True

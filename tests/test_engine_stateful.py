@@ -339,10 +339,15 @@ class EngineCoreMachine(RuleBasedStateMachine):
 
     @rule()
     def abort_waiting(self) -> None:
+        """A drain: every waiting request ends, but the forks of a running request (part of
+        a request that runs: it may finish within the grace)."""
         waiting = [t.seq for t in self.requests if not t.seq.finished and t.seq.slot is None]
         running = [t.seq for t in self.requests if t.seq.slot is not None]
+        kept = [s for s in waiting if s.fork_of and s.fork_of.status is RequestStatus.RUNNING]
         self.core.abort_waiting()
-        assert all(seq.finish_reason is FinishReason.ABORT for seq in waiting)
+        assert all(seq.finish_reason is FinishReason.ABORT for seq in waiting if seq not in kept)
+        assert all(not seq.finished and seq.request_id in self.core.scheduler.waiting
+                   for seq in kept)  # fmt: skip
         assert all(not seq.finished and seq.slot is not None for seq in running)
 
     @precondition(lambda self: any(t.readable() for t in self.requests))

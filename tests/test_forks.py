@@ -7,26 +7,32 @@ prefill's), and the API end to end."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import ClientFactory, serving_of
 from hf_tiny import save_tiny_model, save_tokenizer
 
+from app.engine.policies import PolicyConfig, PolicyName
 from app.engine.scheduler import Scheduler, SchedulerConfig
 from app.engine.step import ModelOutput, SchedulerOutput
 from app.engine.types import FinishReason, RequestStatus, Sequence
 from app.models.hf import load_model
 from app.models.protocol import PrefillChunk, SamplingParams, StepBatch
+from app.serving import GenerationParams
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7]
 
 
-def choices(n: int, prompt: list[int] = PROMPT, max_tokens: int = 4) -> list[Sequence]:
+def choices(
+    n: int, prompt: list[int] = PROMPT, max_tokens: int = 4, name: str = "c"
+) -> list[Sequence]:
     """A request's ``n`` choices: the first, then forks of it."""
-    first = Sequence("c0", list(prompt), max_tokens, frozenset({0}))
+    first = Sequence(f"{name}0", list(prompt), max_tokens, frozenset({0}))
     forks = [
-        Sequence(f"c{i}", list(prompt), max_tokens, frozenset({0}), fork_of=first)
+        Sequence(f"{name}{i}", list(prompt), max_tokens, frozenset({0}), fork_of=first)
         for i in range(1, n)
     ]
     return [first, *forks]
@@ -168,3 +174,80 @@ def test_a_fork_on_the_real_model_computes_what_a_full_prefill_computes(tiny: Pa
     )
     torch.testing.assert_close(forked, full[0], rtol=1e-4, atol=1e-4)
     assert model.cache.lengths[:3] == [len(prompt) + 1, len(prompt), len(prompt)]
+
+
+# --- review fixes ---------------------------------------------------------------------------------
+
+
+def test_mlfq_a_fork_never_preempts_its_own_first_choice() -> None:
+    """Review: with one slot under MLFQ, the fork preempted its (demoted) first choice, could
+    not start (it waits for it), and the slot went back to the first choice, which recomputed
+    its context, once per token: 36 preemptions where 3 are plain round robin."""
+    config = PolicyConfig(PolicyName.MLFQ, mlfq_quantum=4, mlfq_aging_seconds=0)
+    sched = scheduler(slots=1, scheduling=config)
+    first, fork = choices(2, prompt=list(range(1, 33)), max_tokens=40)
+    sched.add(first, 0.0)
+    sched.add(fork, 0.0)
+    steps = preempted = prefilled = 0
+    while sched.has_work() and steps < 500:
+        out = sched.schedule(float(steps))
+        preempted += len(out.preempted)
+        prefilled += out.num_prefill_tokens
+        steps += 1
+        sched.update(out, ModelOutput([7] * out.num_outputs), float(steps))
+    assert first.num_generated == fork.num_generated == 40
+    assert first.num_preemptions == 0 and preempted <= 3
+    assert prefilled < 3 * 32 + 2 * 40  # no recompute loop
+
+
+def test_a_drain_keeps_the_forks_of_a_running_first_choice() -> None:
+    """Review: a drain (SIGTERM) during the first choice's prefill aborted its waiting forks,
+    although the request runs and may finish within the grace."""
+    sched = scheduler()
+    first, fork = choices(2)
+    waiting_first, waiting_fork = choices(2, prompt=[9, 9, 9], name="w")
+    for seq in (first, fork):
+        sched.add(seq, 0.0)
+    out = sched.schedule(0.0)  # first prefills; its fork waits for it
+    for seq in (waiting_first, waiting_fork):
+        sched.add(seq, 0.0)  # (no slot yet: a request that has not started)
+    ended = sched.abort_waiting(0.0)
+    assert ended == [waiting_first, waiting_fork]  # a fork of a waiting request goes with it
+    assert fork.request_id in sched.waiting and not fork.finished
+    sched.update(out, ModelOutput([9]), 0.0)
+    while sched.has_work():
+        run(sched)
+    assert fork.finish_reason is FinishReason.LENGTH and fork.num_generated == 4
+
+
+async def test_data_parallel_forks_follow_their_first_choice_and_prompts_spread(
+    make_client: ClientFactory,
+) -> None:
+    """Review: every choice and every prompt went to the first choice's rank: 429 within the
+    documented bound (slots + --max-waiting per rank, times ranks) and an idle rank."""
+    async with make_client(data_parallel_size=2, num_slots=2, max_waiting=1) as client:
+        for n in (3, 4, 6):
+            r = await client.post("/v1/completions", json={"prompt": "hi", "n": n,
+                                                           "max_tokens": 3})  # fmt: skip
+            assert r.status_code == 200 and len(r.json()["choices"]) == n
+        r = await client.post("/v1/completions", json={"prompt": ["a", "b", "c", "d"],
+                                                       "max_tokens": 3})  # fmt: skip
+        assert r.status_code == 200 and len(r.json()["choices"]) == 4
+
+
+async def test_a_cancel_after_the_first_choice_ended_still_ends_the_others(
+    make_client: ClientFactory,
+) -> None:
+    """Review: once choice 0 had ended, DELETE /requests/<id> answered 404 and left <id>~k
+    running."""
+    async with make_client(mock_step_ms=1.0) as client:
+        serving = serving_of(client)
+        params = GenerationParams(prompt=[1, 2, 3], max_tokens=8000, ignore_eos=True)
+        first = serving.submit(dataclasses.replace(params, request_id="x"))
+        other = serving.submit(dataclasses.replace(params, request_id="x~1"))
+        serving.abort("x")  # choice 0 ends alone (as a stop or its max_tokens would)
+        await first.ended()
+        assert (await client.delete("/requests/x")).status_code == 200
+        await other.ended()
+        assert other.seq.finish_reason is FinishReason.ABORT
+        assert (await client.delete("/requests/x")).status_code == 404

@@ -232,13 +232,12 @@ def _fan_out(
 ) -> list[RequestStream]:
     """Choices 1 .. len(prompts) * n - 1 of a request as requests of their own: choice ``k``
     answers prompt ``k // n`` (OpenAI's numbering), id ``<id>~<k>``, seed ``seed + k % n`` when
-    seeded (each prompt's choices draw as that prompt alone would), on the first choice's
-    data-parallel rank. Each prompt's choices after its first fork from that first one in the
-    scheduler (its prompt is prefilled once). If one is refused, the others are aborted."""
+    seeded (each prompt's choices draw as that prompt alone would), on data-parallel rank
+    ``rank`` (None: the least loaded). Each prompt's choices after its first fork from that
+    first one in the scheduler (its prompt is prefilled once; ``_enqueue_choice``). If one is
+    refused, the others are aborted."""
     if len(prompts) * n == 1 or first.seq.finish_reason is not None:  # (an injected failure)
         return []
-    if rank is None and len(serving.engines) > 1:
-        rank = serving.rank_of(first.request_id)
     seed = params.sampling.seed
     choices = [first]
     try:
@@ -249,13 +248,29 @@ def _fan_out(
                 params, prompt=prompts[k // n], request_id=f"{first.request_id}~{k}",
                 sampling=sampling,
             )  # fmt: skip
-            source = choices[k - i].seq if i else None  # its prompt's first choice
-            choices.append(serving.enqueue(serving.prepare(sibling, fork_of=source), rank))
+            source = choices[k - i] if i else None  # its prompt's first choice
+            choices.append(_enqueue_choice(serving, sibling, source, rank))
     except BaseException:
         for stream in choices:
             serving.abort(stream.request_id)
         raise
     return choices[1:]
+
+
+def _enqueue_choice(
+    serving: Serving, params: GenerationParams, source: RequestStream | None, rank: int | None
+) -> RequestStream:
+    """Queue one choice on ``rank`` (None: the least loaded). A choice after its prompt's first
+    (``source``) forks from it, so it goes to the same rank, unless that rank is full and the
+    client named none: it then runs alone on another (a fork is only ever an optimisation)."""
+    if source is None:
+        return serving.enqueue(serving.prepare(params), rank)
+    if rank is None and len(serving.engines) > 1:
+        home = serving.rank_of(source.request_id)
+        if home is None or not serving.has_room(home):  # (None: its source has ended)
+            return serving.enqueue(serving.prepare(params), None)
+        rank = home
+    return serving.enqueue(serving.prepare(params, fork_of=source.seq), rank)
 
 
 async def _texts(run: Run, serving: Serving, index: int = 0) -> AsyncIterator[Piece]:

@@ -124,14 +124,18 @@ class EngineCore:
         (so an abort not yet applied still counts)."""
         return len(self.live) - self.scheduler.slots.occupied
 
+    def has_room(self) -> bool:
+        """Whether ``register`` would take one more request (slots + ``max_waiting``). A
+        request being aborted frees its place at once, but no more than another whole bound
+        of them are kept (a submit-and-cancel loop during one long model call)."""
+        bound = self.config.num_slots + self.config.max_waiting
+        return len(self.live) - len(self.aborting) < bound and len(self.live) < 2 * bound
+
     def register(self, seq: Sequence) -> RequestStream:
         """Accept a new request (before it reaches the scheduler) or refuse it."""
         if seq.request_id in self.live:
             raise DuplicateRequestError(f"request id {seq.request_id!r} is already in use")
-        bound = self.config.num_slots + self.config.max_waiting
-        # A request being aborted frees its place at once, but no more than another whole
-        # bound of them are kept (a submit-and-cancel loop during one long model call).
-        if len(self.live) - len(self.aborting) >= bound or len(self.live) >= 2 * bound:
+        if not self.has_room():
             raise QueueFullError.for_bounds(self.config.num_slots, self.config.max_waiting)
         stream = RequestStream(seq)
         self.live[seq.request_id] = stream

@@ -228,8 +228,15 @@ class Scheduler:
         return self._end_all(self.waiting.drain(), now, error)
 
     def abort_waiting(self, now: float) -> list[Sequence]:
-        """Abort every request still waiting for a slot (drain: no new admissions)."""
-        return self._end_all(self.waiting.drain(), now, None)
+        """Abort every request still waiting for a slot (drain: no new admissions), but the
+        forks of a running request (``fork_of``): they belong to a request that runs, which
+        may finish within the drain's grace."""
+        queued = self.waiting.drain()
+        kept = {id(seq) for seq in queued if _forks_a_running_request(seq)}
+        for seq in queued:
+            if id(seq) in kept:
+                self.waiting.push(seq)
+        return self._end_all([seq for seq in queued if id(seq) not in kept], now, None)
 
     def preempt(self, seq: Sequence, now: float) -> None:
         """Take a running request off its slot: the slot is released (its cache reset), its
@@ -340,16 +347,19 @@ class Scheduler:
         once it has waited ``preemption_delay`` seconds."""
         if self.policy is BatchingPolicy.STATIC:
             return
-        candidate = policy.select(self.waiting, now)
-        if candidate.awaits_fork:
-            return  # it cannot start before its first choice decodes, slot or no slot
-        if now - candidate.queued_at < policy.config.preemption_delay:
+        candidate: Sequence | None = policy.select(self.waiting, now)
+        if candidate is not None and candidate.awaits_fork:  # it cannot start yet, slot or
+            candidate = self._first_fitting(policy, None, now)  # not: the next that can
+        if candidate is None or now - candidate.queued_at < policy.config.preemption_delay:
             return  # it may still get a slot that frees on its own
         if self.config.max_loras is not None and not self._lora_fits(
             candidate, self._running_loras()
         ):
             return  # its adapter could not join the batch: a freed slot would go to another
-        victim = policy.victim(candidate, self.slots.running(), now)
+        running = self.slots.running()
+        if candidate.fork_of is not None:  # never its own source: it would wait for it again
+            running = [seq for seq in running if seq is not candidate.fork_of]
+        victim = policy.victim(candidate, running, now)
         # a victim one overtake from the bound would be served first again at once: a
         # preempt-and-readmit loop that would also leave the candidate waiting
         if victim is not None and victim.overtaken + 1 < policy.max_overtakes:
@@ -380,7 +390,11 @@ class Scheduler:
         if first:
             self._unstarted.discard(seq.request_id)
         prefix = seq.tokens[:start] if first and start else ()
-        source = seq.fork_of.slot if first and seq.fork_of is not None else None
+        source = None
+        if first and seq.fork_of is not None:  # a fork: planned in the step that admits it,
+            origin = seq.fork_of  # while its source decodes (a later copy could read a slot
+            assert origin.status is RequestStatus.RUNNING and not origin.prefilling  # reused)
+            source = origin.slot
         seq.fork_of = None  # forked (or never to be): it is on its own from now on
         chunk = PrefillChunk(seq.slot, seq.tokens[start : start + size], start, sample,
                              seq.sampling, seq.request_id, prefix, seq, source)  # fmt: skip
@@ -673,6 +687,11 @@ class Scheduler:
         seq.prefilled = 0
         if self.prefix_cache is not None:
             self.prefix_cache.release(seq)
+
+
+def _forks_a_running_request(seq: Sequence) -> bool:
+    source = seq.fork_of
+    return source is not None and source.status is RequestStatus.RUNNING
 
 
 def _store_prompt_logprobs(seq: Sequence, found: tuple[int, list[Logprobs]] | None) -> None:

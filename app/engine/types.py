@@ -129,7 +129,7 @@ class Sequence:
     # from. While set, it waits in the queue until that request is past its prefill; it then
     # starts from a copy of that request's cache (a fork: its prompt is prefilled once for
     # every choice). Cleared once forked, or when forking is not possible (it prefills alone).
-    fork_of: Sequence | None = None
+    fork_of: Sequence | None = field(default=None, repr=False)
     prompt_len: int = 0
     token_limit: int = 0  # len(tokens) at which max_tokens is reached
     status: RequestStatus = RequestStatus.WAITING

@@ -33,6 +33,7 @@ class CachedMockModel(MockBase):
     """
 
     supports_prefix_caching = True
+    copies_slots = True  # a fork's prefix is copied as its tokens (checked against the source)
 
     def __init__(
         self, num_slots: int, language: MockLanguage | None = None, *, seed: int = 0

@@ -166,9 +166,8 @@ class PrefillChunk:
     one exception: a *fork* (one of a request's ``n`` choices starting from another choice's
     prompt, computed once) carries ``prefix_slot``, the slot of a running request whose cache
     holds the same ``prefix`` at positions ``0 .. start - 1``; the model copies those positions
-    into ``slot`` before this step's forward (nothing in the step has changed them yet). A model
-    gets forks only if it supports prefix caching (it may copy ``prefix`` as for a hit) or sets
-    ``copies_slots = True``.
+    into ``slot`` before this step's forward (nothing in the step has changed them yet). Only a
+    model with ``copies_slots = True`` ever gets a fork.
     ``sample`` is True when the chunk completes the prefill: the model then returns one
     token for this entry, sampled from the logits at the chunk's last position; a partial chunk
     returns nothing. With ``sampling.prompt_logprobs`` set, the model also returns (in a
@@ -276,10 +275,13 @@ def supports_prefix_caching(model: object) -> bool:
 
 def shares_prompts(model: object) -> bool:
     """Whether ``model`` can start a request from another slot's prompt cache (a fork: see
-    ``PrefillChunk.prefix_slot``), so ``n`` choices prefill their prompt once. A model that
-    supports prefix caching can (it is handed the prefix's tokens); a cached model that does
-    not must declare ``copies_slots = True`` (it copies the key/values between slots)."""
-    return supports_prefix_caching(model) or getattr(model, "copies_slots", False) is True
+    ``PrefillChunk.prefix_slot``), so ``n`` choices prefill their prompt once. A stateless
+    model can (it is fed whole prefixes); a cached model must declare ``copies_slots = True``
+    (it copies the key/values between slots: a fork's prefix ends mid-block, so no prefix
+    cache holds all of it)."""
+    if isinstance(model, CachedModel):
+        return getattr(model, "copies_slots", False) is True
+    return isinstance(model, StatelessModel)
 
 
 def applies_token_masks(model: object) -> bool:
