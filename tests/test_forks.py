@@ -87,14 +87,26 @@ def test_a_chunked_first_prefill_keeps_its_forks_waiting_and_others_go_ahead() -
 
 def test_a_fork_whose_first_choice_has_ended_prefills_alone() -> None:
     sched = scheduler()
-    first, fork = choices(2, max_tokens=1)
+    first, fork = choices(2, max_tokens=2)
     sched.add(first, 0.0)
     sched.add(fork, 0.0)
-    run(sched)
-    assert first.finish_reason is FinishReason.LENGTH
+    run(sched, token=0)  # the first choice stops at its first token
+    assert first.finish_reason is FinishReason.STOP
     out = run(sched)
     assert out.prefill_seqs == [fork] and out.prefills[0].start == 0
     assert out.prefills[0].prefix_slot is None and fork.fork_of is None
+
+
+def test_choices_of_one_token_do_not_fork_they_prefill_together() -> None:
+    """Review: with max_tokens 1 the first choice ends at its first token, so its forks waited
+    a step for nothing and then prefilled alone; now they prefill beside it."""
+    sched = scheduler()
+    first, *forks = choices(3, max_tokens=1)
+    for seq in (first, *forks):
+        sched.add(seq, 0.0)
+    out = run(sched)
+    assert out.prefill_seqs == [first, *forks]
+    assert all(seq.finish_reason is FinishReason.LENGTH for seq in (first, *forks))
 
 
 def test_a_fork_of_an_aborted_or_preempted_first_choice() -> None:

@@ -186,8 +186,9 @@ class Scheduler:
 
     def _may_fork(self, seq: Sequence, source: Sequence) -> bool:
         """Whether ``seq`` may start from ``source``'s prompt cache: forking is on, ``source``
-        is one of this scheduler's live requests with the same prompt and adapter, and ``seq``
-        needs no prompt log probabilities (they need every prompt position computed)."""
+        is one of this scheduler's live requests with the same prompt and adapter that will
+        decode (``max_tokens`` > 1), and ``seq`` needs no prompt log probabilities (they need
+        every prompt position computed)."""
         live = self.waiting.get(source.request_id) is source or (
             source.slot is not None and self.slots.get(source.slot) is source
         )
@@ -197,6 +198,7 @@ class Scheduler:
             and live
             and seq.prompt_logprobs is None
             and seq.num_generated == 0
+            and source.max_tokens > 1  # else it ends at its first token: nothing to fork from
             and 1 < seq.prompt_len == source.prompt_len
             and seq.lora == source.lora
             and source.tokens[: source.prompt_len] == seq.tokens
