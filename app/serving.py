@@ -408,10 +408,16 @@ class Serving:
         ``enqueue``."""
         return self.enqueue(self.prepare(params, id_prefix))
 
-    def prepare(self, params: GenerationParams, id_prefix: str = "gen") -> Sequence:
+    def prepare(
+        self, params: GenerationParams, id_prefix: str = "gen", fork_of: Sequence | None = None
+    ) -> Sequence:
         """The request as a sequence, checked against the model (vocabulary, context length,
-        KV capacity); ``InvalidRequestError`` if it cannot run. Nothing is queued yet."""
-        return self._sequence(params, id_prefix)
+        KV capacity); ``InvalidRequestError`` if it cannot run. Nothing is queued yet.
+        ``fork_of``: another choice of the same prompt, queued before it on the same rank,
+        whose prompt cache it may start from (``Sequence.fork_of``)."""
+        seq = self._sequence(params, id_prefix)
+        seq.fork_of = fork_of
+        return seq
 
     def enqueue(self, seq: Sequence, rank: int | None = None) -> RequestStream:
         """Queue a prepared sequence on data-parallel rank ``rank`` (None: the least loaded).
@@ -443,6 +449,15 @@ class Serving:
         """The stream of the live request ``request_id``, on whichever rank holds it."""
         rank = self._rank_of(request_id) if len(self.engines) > 1 else 0
         return None if rank is None else self.engines[rank].core.live.get(request_id)
+
+    def rank_of(self, request_id: str) -> int | None:
+        """The data-parallel rank whose engine holds the live request ``request_id``."""
+        return self._rank_of(request_id)
+
+    def has_room(self, rank: int) -> bool:
+        """Whether rank ``rank``'s engine would take one more request now (``enqueue`` would
+        not raise ``QueueFullError``)."""
+        return self.engines[rank].core.has_room()
 
     def _rank_of(self, request_id: str) -> int | None:
         """The rank whose engine holds the live request ``request_id``."""
@@ -507,14 +522,14 @@ class Serving:
         """Abort a live request and wait (at most ``CANCEL_TIMEOUT``) until the engine has
         applied it, so its id is free again on return. False if no live request has this id."""
         stream = self._live(request_id)
-        if stream is None or not self.abort(request_id):
-            return False
-        streams = [stream]
-        siblings = f"{request_id}~"  # the other choices (n > 1, several prompts): <id>~<k>
-        for engine in self.engines:
+        streams = [stream] if stream is not None and self.abort(request_id) else []
+        siblings = f"{request_id}~"  # the other choices (n > 1, several prompts): <id>~<k>,
+        for engine in self.engines:  # live even when the first one has ended
             for sibling_id, sibling in list(engine.core.live.items()):
                 if sibling_id.startswith(siblings) and self.abort(sibling_id):
                     streams.append(sibling)
+        if not streams:
+            return False
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.gather(*(s.ended() for s in streams)), CANCEL_TIMEOUT)
         return True

@@ -91,7 +91,7 @@ async def test_one_cancel_ends_every_choice(
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
         async with client.stream("POST", "/v1/completions", json=body) as r:
             lines = r.aiter_lines()
-            request_id = (await _first_data(lines))["id"]
+            request_id = await _every_choice_started(lines, 3)
             slots = (await client.get("/slots")).json()["slots"]
             running = sorted(s["request_id"] for s in slots if s["is_processing"])
             assert running == [request_id, f"{request_id}~1", f"{request_id}~2"]
@@ -107,8 +107,13 @@ async def test_one_cancel_ends_every_choice(
         assert reasons == {0: "abort", 1: "abort", 2: "abort"}
 
 
-async def _first_data(lines: Any) -> Any:
+async def _every_choice_started(lines: Any, n: int) -> str:
+    """Read SSE lines until each of the ``n`` choices has sent a chunk; returns the id."""
+    started: set[int] = set()
     async for line in lines:
         if line.startswith("data: {"):
-            return json.loads(line[6:])
-    raise AssertionError("no data event")
+            data = json.loads(line[6:])
+            started.update(choice["index"] for choice in data["choices"])
+            if len(started) == n:
+                return str(data["id"])
+    raise AssertionError("the stream ended before every choice started")

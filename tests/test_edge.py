@@ -357,9 +357,11 @@ async def test_the_key_name_is_the_requests_user_and_the_user_field_is_used_with
     def spy(serving: Serving) -> None:
         prepare = serving.prepare  # every route builds its request here (app/api/faults.py)
 
-        def recording(params: GenerationParams, id_prefix: str = "gen") -> Sequence:
+        def recording(
+            params: GenerationParams, id_prefix: str = "gen", fork_of: Sequence | None = None
+        ) -> Sequence:
             seen.append(params.user)
-            return prepare(params, id_prefix)
+            return prepare(params, id_prefix, fork_of)
 
         serving.prepare = recording  # type: ignore[method-assign]
 

@@ -189,25 +189,51 @@ class EngineCoreMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.core.live)))
         self._submit(rid, [1], 3, include_stop=False)
 
-    def _submit(self, rid: str, prompt: list[int], max_tokens: int, include_stop: bool) -> None:
+    @rule(
+        data=st.data(),
+        prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4),
+        max_tokens=st.integers(0, 6),
+        n=st.integers(2, 3),
+    )
+    def submit_choices(
+        self, data: st.DataObject, prompt: list[int], max_tokens: int, n: int
+    ) -> None:
+        """A request with ``n`` choices: every one after the first forks from the first (it
+        starts from a copy of the first one's prompt cache once that one decodes), or, when
+        the first was refused or has ended, prefills alone; the outputs are the same."""
+        ids = data.draw(st.lists(st.sampled_from(IDS), min_size=n, max_size=n, unique=True))
+        first = self._submit(ids[0], prompt, max_tokens, include_stop=False)
+        for rid in ids[1:]:
+            self._submit(rid, prompt, max_tokens, include_stop=False, fork_of=first)
+
+    def _submit(
+        self,
+        rid: str,
+        prompt: list[int],
+        max_tokens: int,
+        include_stop: bool,
+        fork_of: Sequence | None = None,
+    ) -> Sequence:
         core = self.core
-        seq = Sequence(rid, prompt, max_tokens, frozenset({STOP}), include_stop=include_stop)
+        seq = Sequence(rid, list(prompt), max_tokens, frozenset({STOP}), include_stop=include_stop,
+                       fork_of=fork_of)  # fmt: skip
         if rid in core.live:
             before = core.live[rid]
             with pytest.raises(DuplicateRequestError):
                 core.register(seq)
             assert core.live[rid] is before
-            return
+            return seq
         if len(core.live) >= self.num_slots + self.max_waiting:  # every slot and queue place
             with pytest.raises(QueueFullError):
                 core.register(seq)
             assert rid not in core.live
-            return
+            return seq
         stream = core.register(seq)
         core.add(seq)
         self.requests.append(Tracked(seq, stream))
         if max_tokens == 0:
             assert seq.finish_reason is FinishReason.LENGTH and rid not in core.live
+        return seq
 
     def _finished_ids(self) -> list[str]:
         return sorted({t.seq.request_id for t in self.requests} - set(self.core.live))
@@ -313,10 +339,15 @@ class EngineCoreMachine(RuleBasedStateMachine):
 
     @rule()
     def abort_waiting(self) -> None:
+        """A drain: every waiting request ends, but the forks of a running request (part of
+        a request that runs: it may finish within the grace)."""
         waiting = [t.seq for t in self.requests if not t.seq.finished and t.seq.slot is None]
         running = [t.seq for t in self.requests if t.seq.slot is not None]
+        kept = [s for s in waiting if s.fork_of and s.fork_of.status is RequestStatus.RUNNING]
         self.core.abort_waiting()
-        assert all(seq.finish_reason is FinishReason.ABORT for seq in waiting)
+        assert all(seq.finish_reason is FinishReason.ABORT for seq in waiting if seq not in kept)
+        assert all(not seq.finished and seq.request_id in self.core.scheduler.waiting
+                   for seq in kept)  # fmt: skip
         assert all(not seq.finished and seq.slot is not None for seq in running)
 
     @precondition(lambda self: any(t.readable() for t in self.requests))
@@ -430,6 +461,7 @@ class EngineCoreMachine(RuleBasedStateMachine):
             ("preempted", out.preempted),
             ("resumed", out.resumed),
             ("partial prefill chunk", [c for c in out.prefills if not c.sample]),
+            ("fork", [c for c in out.prefills if c.prefix_slot is not None]),
         ]:
             if happened:
                 event(name)
@@ -456,11 +488,18 @@ class EngineCoreMachine(RuleBasedStateMachine):
             assert chunk.token_ids == seq.tokens[chunk.start : chunk.start + len(chunk.token_ids)]
             assert chunk.sample == (chunk.start + len(chunk.token_ids) == len(seq.tokens))
         assert out.num_prefill_tokens == sum(len(c.token_ids) for c in out.prefills)
+        for chunk in out.prefills:  # a fork copies its prompt but the last token from its
+            if chunk.prefix_slot is not None:  # source's slot, which still holds it
+                source = scheduler.slots.get(chunk.prefix_slot)
+                assert source is not None and not source.prefilling
+                assert source.tokens[: chunk.start] == list(chunk.prefix)
+                assert chunk.sample and chunk.start == len(chunk.prefix) == source.prompt_len - 1
+        awaiting = sum(1 for seq in scheduler.waiting if seq.awaits_fork)
         if self.policy is BatchingPolicy.STATIC and (out.admitted or out.resumed):
             assert running_before == 0 or running_before == len(out.preempted)
         if self.policy is BatchingPolicy.CONTINUOUS and not self._limited(out):
             # no slot sits empty while a request waits
-            expected = min(self.num_slots, running_before + waiting_before)
+            expected = min(self.num_slots, running_before + waiting_before - awaiting)
             assert scheduler.slots.occupied == expected
         return out
 

@@ -6,6 +6,7 @@ exactly the cached blocks; each stored run is a chain; no block is removed while
 from __future__ import annotations
 
 from hypothesis import HealthCheck, settings
+from hypothesis import event as note_event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -27,7 +28,7 @@ class EventLogMachine(RuleBasedStateMachine):
         self.scheduler = Scheduler(SchedulerConfig(
             slots, max_num_batched_tokens=None if budget is None else max(budget, slots),
             block_size=BS, kv_cache_tokens=kv_blocks * BS, enable_prefix_caching=True,
-            record_kv_events=True, max_loras=max_loras,
+            record_kv_events=True, max_loras=max_loras, share_prompts=True,
         ))  # fmt: skip
         self.max_loras = max_loras
         self.held: set[int] = set()  # id() of the blocks the log says are cached
@@ -36,12 +37,20 @@ class EventLogMachine(RuleBasedStateMachine):
         self.now = 0.0
 
     @rule(head=st.sampled_from(HEADS), tail=st.lists(st.integers(10, 20), max_size=5),
-          out=st.integers(1, 4), lora=st.sampled_from([None, "a", "b"]))  # fmt: skip
-    def arrive(self, head: list[int], tail: list[int], out: int, lora: str | None) -> None:
-        self.n += 1
+          out=st.integers(1, 4), lora=st.sampled_from([None, "a", "b"]),
+          choices=st.integers(1, 3))  # fmt: skip
+    def arrive(
+        self, head: list[int], tail: list[int], out: int, lora: str | None, choices: int
+    ) -> None:
+        """A request with ``choices`` choices (those after the first fork from it)."""
         lora = lora if self.max_loras else None
-        seq = Sequence(f"r{self.n}", [*head, *tail], out, frozenset({NEVER}), lora=lora)
-        self.scheduler.add(seq, self.now)
+        first: Sequence | None = None
+        for _ in range(choices):
+            self.n += 1
+            seq = Sequence(f"r{self.n}", [*head, *tail], out, frozenset({NEVER}), lora=lora,
+                           fork_of=first)  # fmt: skip
+            self.scheduler.add(seq, self.now)
+            first = first or seq
 
     @precondition(lambda self: self.scheduler.has_work())
     @rule(pick=st.integers(0, 100))
@@ -54,6 +63,8 @@ class EventLogMachine(RuleBasedStateMachine):
     def step(self) -> None:
         self.now += 1
         out = self.scheduler.schedule(self.now)
+        if any(chunk.prefix_slot is not None for chunk in out.prefills):
+            note_event("fork")
         if not out.empty:
             self.scheduler.update(out, ModelOutput([5] * out.num_outputs), self.now)
         self.read_log()
@@ -85,6 +96,21 @@ class EventLogMachine(RuleBasedStateMachine):
                 self.held -= ids
             else:
                 self.held.clear()
+
+    @invariant()
+    def the_books_hold(self) -> None:
+        """Forks included, the running requests' blocks fit the cache and a cached block's
+        references are exactly the running requests that hold it."""
+        if not hasattr(self, "scheduler"):
+            return
+        scheduler = self.scheduler
+        running = scheduler.slots.running()
+        assert scheduler.books.used(running) <= scheduler.books.total
+        cache = scheduler.prefix_cache
+        assert cache is not None
+        for block in cache.blocks():
+            holders = [s for s in running if s.prefix and any(b is block for b in s.prefix.blocks)]
+            assert block.refs == len(holders)
 
     @invariant()
     def the_log_is_the_cache(self) -> None:

@@ -280,7 +280,7 @@ class BoundedBypass(RuleBasedStateMachine):
         self.limit = limit
         config = PolicyConfig(name, max_overtakes=limit, mlfq_quantum=1, mlfq_skip_join_tokens=2,
                               mlfq_aging_seconds=0)  # fmt: skip
-        self.sched = Scheduler(SchedulerConfig(slots, scheduling=config))
+        self.sched = Scheduler(SchedulerConfig(slots, scheduling=config, share_prompts=True))
 
     @precondition(lambda self: self.sched is not None)
     @rule(
@@ -288,11 +288,21 @@ class BoundedBypass(RuleBasedStateMachine):
         max_tokens=st.integers(1, 12),
         priority=st.integers(-3, 3),
         user=st.sampled_from(["u", "v", "w"]),
+        choices=st.integers(1, 3),
     )
-    def arrive(self, prompt_len: int, max_tokens: int, priority: int, user: str) -> None:
+    def arrive(
+        self, prompt_len: int, max_tokens: int, priority: int, user: str, choices: int
+    ) -> None:
+        """A request with ``choices`` choices: those after the first fork from it (waiting,
+        not overtaken, while it prefills)."""
         assert self.sched is not None
-        self.count += 1
-        self.sched.add(seq(f"r{self.count}", max_tokens, prompt_len, priority, user), self.now)
+        first: Sequence | None = None
+        for _ in range(choices):
+            self.count += 1
+            choice = seq(f"r{self.count}", max_tokens, prompt_len, priority, user)
+            choice.fork_of = first
+            self.sched.add(choice, self.now)
+            first = first or choice
 
     @precondition(lambda self: self.sched is not None)
     @rule(token=st.integers(1, 9))

@@ -20,6 +20,7 @@ from app.engine.errors import (
     DuplicateRequestError,
     EngineDrainingError,
     EngineError,
+    GrammarLimitError,
     QueueFullError,
 )
 from app.serving import (
@@ -226,3 +227,15 @@ def model_not_found(requested: str, served: str) -> APIError:
 def model_failed_message(error: BaseException | None) -> str:
     """The message of a request that a failed model call ended (HTTP 500 or an error event)."""
     return f"model call failed: {error!r}"
+
+
+def generation_failed(error: BaseException | None, grammar_param: str | None) -> APIError:
+    """The answer to a request that ended in error mid-generation: 400 ``invalid_grammar``
+    naming ``grammar_param`` (the field that set the request's grammar) when the grammar engine
+    gave up on that grammar (``GrammarLimitError``: the client's grammar is the problem), else
+    500 ``model_error`` (a failed model call, or a model that broke its contract)."""
+    if isinstance(error, GrammarLimitError):
+        param = grammar_param or "response_format"
+        message = f"{param}: the grammar engine gave up on this grammar mid-generation: {error}"
+        return APIError(400, message, param=param, code="invalid_grammar")
+    return APIError(500, model_failed_message(error), "server_error", code="model_error")

@@ -29,7 +29,7 @@ from fastapi.responses import Response
 
 from app.api import faults
 from app.api.deps import data_parallel_rank
-from app.api.errors import model_failed_message, model_not_found
+from app.api.errors import APIError, generation_failed, model_not_found
 from app.api.native import flag_ignored_priority
 from app.api.streaming import sse_response, until_disconnected
 from app.api.tool_reader import CallReader, CallStart, Piece, TextPiece, read_calls
@@ -55,7 +55,7 @@ class InternalRequest:
     ignore_eos: bool = False
     priority: int = 0
     user: str | None = None  # the body's own user field (a named API key wins)
-    model: str | None = None  # the model the body named (None: the served one)
+    model: str | None = None  # the model the body named: the served one, or a LoRA adapter
     stream: bool = False
     id_prefix: str = "gen"
     constraint: Constraint | None = None  # what the output must match (structured outputs)
@@ -85,6 +85,8 @@ class Run:
     stream: RequestStream
     stops: list[str]
     plan: ToolPlan | None = None
+    grammar_param: str | None = None  # the field that set the request's grammar, if one did
+    model: str = ""  # the model the reply names: the one the body named, else the served one
     created: int = field(default_factory=lambda: int(time.time()))
     matcher: StopStringMatcher = field(init=False)
     raw: list[str] = field(default_factory=list)  # decoded text before stop strings are cut
@@ -111,30 +113,47 @@ class Run:
 
 
 class ModelFailed(Exception):
-    """The model call serving this request failed (or a failure was injected as one)."""
+    """The request ended in error: the model call serving it failed (or a failure was injected
+    as one), or the grammar engine gave up on its grammar. ``error`` is the answer: 500
+    ``model_error``, or 400 ``invalid_grammar`` naming the field that set the grammar."""
 
-    def __init__(self, stream: RequestStream) -> None:
-        super().__init__(model_failed_message(stream.seq.error))
+    def __init__(self, run: Run) -> None:
+        self.error: APIError = generation_failed(run.stream.seq.error, run.grammar_param)
+        super().__init__(self.error.message)
+
+
+def adapter(serving: Serving, model: str | None) -> str | None:
+    """The LoRA adapter ``model`` names (None: the served model, or none named), looked up as on
+    the OpenAI routes (adapters only with ``--enable-lora``); 404 ``model_not_found`` if
+    ``model`` names neither."""
+    try:
+        return serving.adapter(model)
+    except LookupError:
+        raise model_not_found(str(model), serving.settings.model_name) from None
 
 
 def start(request: Request, serving: Serving, internal: InternalRequest, key: str | None) -> Run:
-    """Check the model name and submit ``internal`` once (through failure injection); the
-    submit's refusals propagate as they do on every route. ``key``: the API key's name."""
-    if internal.model is not None and internal.model != serving.settings.model_name:
-        raise model_not_found(internal.model, serving.settings.model_name)
+    """Check the model name (the served model or a loaded LoRA adapter, which the request then
+    runs with) and submit ``internal`` once (through failure injection); the submit's refusals
+    propagate as they do on every route. ``key``: the API key's name."""
+    lora = adapter(serving, internal.model)
     rank = data_parallel_rank(request, serving)
     params = GenerationParams(
         prompt=internal.prompt, max_tokens=internal.max_tokens,
         stop_token_ids=internal.stop_token_ids, stop_strings=internal.stop_strings,
         ignore_eos=internal.ignore_eos, priority=internal.priority, sampling=internal.sampling,
         user=key if key is not None else internal.user, key_name=key,
-        constraint=internal.constraint, constraint_param=internal.constraint_param,
+        constraint=internal.constraint, constraint_param=internal.constraint_param, lora=lora,
     )  # fmt: skip
     stream = faults.submit(
         request, serving, params, streaming=internal.stream, id_prefix=internal.id_prefix,
         model=internal.model, rank=rank,
     )  # fmt: skip
-    return Run(stream.request_id, stream, internal.stop_strings, internal.tools)
+    grammar_param = internal.constraint_param if internal.constraint is not None else None
+    model = internal.model or serving.settings.model_name
+    return Run(
+        stream.request_id, stream, internal.stop_strings, internal.tools, grammar_param, model
+    )
 
 
 async def texts(run: Run, serving: Serving) -> AsyncIterator[tuple[str, str | None]]:
@@ -156,7 +175,7 @@ async def texts(run: Run, serving: Serving) -> AsyncIterator[tuple[str, str | No
             yield text, FinishReason.STOP.value
             return
         if delta.finish_reason is FinishReason.ERROR:
-            raise ModelFailed(run.stream)
+            raise ModelFailed(run)
         if delta.finish_reason is not None:
             tail = decoder.flush()
             run.raw.append(tail)
@@ -211,8 +230,10 @@ class EventShaper(Protocol):
         """After the last text: the protocol's end events."""
         ...
 
-    def failure(self, message: str) -> Iterable[bytes]:
-        """A model call failed mid-stream: the protocol's error event(s), the stream's last."""
+    def failure(self, error: APIError) -> Iterable[bytes]:
+        """The request ended in error mid-stream (``ModelFailed.error``: a failed model call, or
+        the grammar engine giving up on its grammar): the protocol's error event(s), the
+        stream's last."""
         ...
 
     def closed(self) -> None:
@@ -247,7 +268,7 @@ async def _events(run: Run, serving: Serving, shaper: EventShaper) -> AsyncItera
                 for event in _shaped(shaper, piece):
                     yield event
     except ModelFailed as err:
-        for event in shaper.failure(str(err)):
+        for event in shaper.failure(err.error):
             yield event
         return
     if reader is None:

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from app.api import faults
 from app.api.aligned_tokens import AlignedTokens
 from app.api.deps import KeyNameDep, ServingDep, data_parallel_rank
-from app.api.errors import APIError, error_body, model_failed_message, model_not_found
+from app.api.errors import APIError, generation_failed, model_not_found
 from app.api.logprobs import CompletionLogprobs, TokenText, chat_content, prompt_logprobs
 from app.api.native import ERROR_RESPONSES, flag_ignored_priority
 from app.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIParams
@@ -132,6 +132,7 @@ class Run:
     text: TokenText  # each token's text (log probabilities)
     top: int | None = None  # alternatives per token when log probabilities were asked for
     n: int = 1  # choices per prompt
+    grammar_param: str | None = None  # the field that set the request's grammar, if one did
 
     @property
     def stream(self) -> RequestStream:
@@ -196,7 +197,8 @@ def _start(
     matchers = [StopStringMatcher(stops, params.sampling.min_tokens) for _ in streams]
     text = TokenText(serving.tokenizer)
     top = body.top_logprobs_asked()
-    return Run(stream.request_id, streams, matchers, int(time.time()), text, top, n)
+    return Run(stream.request_id, streams, matchers, int(time.time()), text, top, n,
+               grammar_param if grammar is not None else None)  # fmt: skip
 
 
 def _choices(body: OpenAIParams, serving: Serving, prompts: int, rank: int | None) -> int:
@@ -231,11 +233,13 @@ def _fan_out(
     """Choices 1 .. len(prompts) * n - 1 of a request as requests of their own: choice ``k``
     answers prompt ``k // n`` (OpenAI's numbering), id ``<id>~<k>``, seed ``seed + k % n`` when
     seeded (each prompt's choices draw as that prompt alone would), on data-parallel rank
-    ``rank`` (None: the least loaded). If one is refused, the others are aborted."""
+    ``rank`` (None: the least loaded). Each prompt's choices after its first fork from that
+    first one in the scheduler (its prompt is prefilled once; ``_enqueue_choice``). If one is
+    refused, the others are aborted."""
     if len(prompts) * n == 1 or first.seq.finish_reason is not None:  # (an injected failure)
         return []
     seed = params.sampling.seed
-    streams: list[RequestStream] = []
+    choices = [first]
     try:
         for k in range(1, len(prompts) * n):
             i = k % n
@@ -244,12 +248,29 @@ def _fan_out(
                 params, prompt=prompts[k // n], request_id=f"{first.request_id}~{k}",
                 sampling=sampling,
             )  # fmt: skip
-            streams.append(serving.enqueue(serving.prepare(sibling), rank))
+            source = choices[k - i] if i else None  # its prompt's first choice
+            choices.append(_enqueue_choice(serving, sibling, source, rank))
     except BaseException:
-        for stream in [first, *streams]:
+        for stream in choices:
             serving.abort(stream.request_id)
         raise
-    return streams
+    return choices[1:]
+
+
+def _enqueue_choice(
+    serving: Serving, params: GenerationParams, source: RequestStream | None, rank: int | None
+) -> RequestStream:
+    """Queue one choice on ``rank`` (None: the least loaded). A choice after its prompt's first
+    (``source``) forks from it, so it goes to the same rank, unless that rank is full and the
+    client named none: it then runs alone on another (a fork is only ever an optimisation)."""
+    if source is None:
+        return serving.enqueue(serving.prepare(params), rank)
+    if rank is None and len(serving.engines) > 1:
+        home = serving.rank_of(source.request_id)
+        if home is None or not serving.has_room(home):  # (None: its source has ended)
+            return serving.enqueue(serving.prepare(params), None)
+        rank = home
+    return serving.enqueue(serving.prepare(params, fork_of=source.seq), rank)
 
 
 async def _texts(run: Run, serving: Serving, index: int = 0) -> AsyncIterator[Piece]:
@@ -270,7 +291,7 @@ async def _texts(run: Run, serving: Serving, index: int = 0) -> AsyncIterator[Pi
             yield Piece(text, FinishReason.STOP.value, tokens, entries, index)
             return
         if delta.finish_reason is FinishReason.ERROR:
-            raise _ModelFailed(stream)
+            raise _ModelFailed(generation_failed(stream.seq.error, run.grammar_param))
         if delta.finish_reason is not None:
             rest = matcher.feed(decoder.flush()) + matcher.flush()
             if aligned is not None:
@@ -317,8 +338,12 @@ async def _all_texts(run: Run, serving: Serving) -> AsyncIterator[Piece]:
 
 
 class _ModelFailed(Exception):
-    def __init__(self, stream: RequestStream) -> None:
-        super().__init__(model_failed_message(stream.seq.error))
+    """A choice ended in error: ``error`` is the answer (500 ``model_error``, or 400
+    ``invalid_grammar`` when the grammar engine gave up on the request's grammar)."""
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 def _usage(run: Run) -> dict[str, int]:
@@ -359,7 +384,7 @@ async def _collect(run: Run, serving: Serving) -> list[Piece]:
                 whole.logprobs += piece.logprobs or [None] * len(piece.tokens)
     except _ModelFailed as err:
         run.abort(serving)
-        raise APIError(500, str(err), "server_error", code="model_error") from err
+        raise err.error from err
     return wholes
 
 
@@ -374,7 +399,7 @@ async def _stream_chunks(
                 yield sse_event(None, chunk)
     except _ModelFailed as err:
         run.abort(serving)
-        yield sse_event(None, error_body(str(err), "server_error", None, "model_error"))
+        yield sse_event(None, err.error.body())
         return
     if include_usage:
         yield sse_event(None, shape.usage_chunk(_usage(run), run.created))

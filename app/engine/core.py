@@ -42,6 +42,9 @@ class EngineConfig:
     # Publish the prefix cache's changes (KV events) to the engine's ``KVEventSink``.
     kv_events: bool = False
     max_loras: int | None = None  # LoRA: distinct adapters per batch (None: LoRA off)
+    # n > 1: choices after the first fork from its prompt cache (``Engine`` turns it off for a
+    # model that cannot share prompts; see ``SchedulerConfig.share_prompts``)
+    share_prompts: bool = True
     step_costs: StepCosts = NO_STEP_TIME  # the simulated step time (zero: none)
     seed: int = 0  # the step clock's jitter
     # Run each model call in a worker thread, unless the model declares ``blocking = False``
@@ -61,6 +64,7 @@ class EngineConfig:
             enable_prefix_caching=self.enable_prefix_caching,
             record_kv_events=self.kv_events and self.enable_prefix_caching,
             max_loras=self.max_loras,
+            share_prompts=self.share_prompts,
         )
 
 
@@ -120,14 +124,18 @@ class EngineCore:
         (so an abort not yet applied still counts)."""
         return len(self.live) - self.scheduler.slots.occupied
 
+    def has_room(self) -> bool:
+        """Whether ``register`` would take one more request (slots + ``max_waiting``). A
+        request being aborted frees its place at once, but no more than another whole bound
+        of them are kept (a submit-and-cancel loop during one long model call)."""
+        bound = self.config.num_slots + self.config.max_waiting
+        return len(self.live) - len(self.aborting) < bound and len(self.live) < 2 * bound
+
     def register(self, seq: Sequence) -> RequestStream:
         """Accept a new request (before it reaches the scheduler) or refuse it."""
         if seq.request_id in self.live:
             raise DuplicateRequestError(f"request id {seq.request_id!r} is already in use")
-        bound = self.config.num_slots + self.config.max_waiting
-        # A request being aborted frees its place at once, but no more than another whole
-        # bound of them are kept (a submit-and-cancel loop during one long model call).
-        if len(self.live) - len(self.aborting) >= bound or len(self.live) >= 2 * bound:
+        if not self.has_room():
             raise QueueFullError.for_bounds(self.config.num_slots, self.config.max_waiting)
         stream = RequestStream(seq)
         self.live[seq.request_id] = stream

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from app.engine.step_clock import StepClock, sleep_until
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
 from app.engine.worker import ModelWorker
-from app.models.protocol import Model, supports_prefix_caching
+from app.models.protocol import Model, shares_prompts, supports_prefix_caching
 
 log = logging.getLogger("slotserve.engine")
 
@@ -84,6 +85,8 @@ class Engine:
                 f"prefix caching is not implemented by the model {type(model).__name__} "
                 "(its runner cannot start a prefill after a cached prefix)"
             )
+        if config.share_prompts and not shares_prompts(model):
+            config = dataclasses.replace(config, share_prompts=False)  # n choices prefill alone
         self.model = model
         self.config = config
         self.core = EngineCore(

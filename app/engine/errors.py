@@ -16,6 +16,16 @@ class ModelOutputError(ModelError):
     """The model broke its contract: wrong number of tokens, or a token that is not an integer."""
 
 
+class GrammarLimitError(Exception):
+    """The grammar engine gave up on a request's own grammar mid-decode: following it past this
+    token would exceed one of the engine's bounds on the work per token (llguidance's limits:
+    Earley items in a row or per mask, lexer fuel or states; reached by very ambiguous or
+    right-recursive grammars). The client's grammar is the problem, not the model: the API
+    answers it as it answers a grammar that does not compile (400 ``invalid_grammar``, or the
+    stream's error event), naming the request field that set the grammar. The message is the
+    grammar engine's, shortened."""
+
+
 class UnsupportedFeatureError(ValueError):
     """The engine was configured with a feature its model does not implement."""
 

@@ -19,6 +19,13 @@ queue is served in order and nothing is preempted but for the KV cache.
 With the prefix cache on, an admitted request starts after its prompt's cached leading blocks:
 its first chunk starts there (carrying the cached tokens as ``prefix`` for the model), so the
 step clock charges prefill only for the rest.
+
+A request's ``n`` choices prefill their prompt once: every choice but the first is a *fork*
+(``Sequence.fork_of``). It waits in the queue, passed over, while the first choice prefills;
+once that one decodes, the fork is admitted with every prompt position but the last copied
+from the first choice's slot (``PrefillChunk.prefix_slot``) and is fed only the last one, which
+it samples from with its own seed. A fork that cannot be made (the first choice has ended, or
+asks for prompt log probabilities) prefills on its own, losing nothing but time.
 """
 
 from __future__ import annotations
@@ -82,6 +89,10 @@ class SchedulerConfig:
     # A waiting request whose adapter would exceed it waits; requests behind it that fit go
     # first (vLLM's rule).
     max_loras: int | None = None
+    # n > 1: a request with ``fork_of`` set starts from a copy of that request's prompt cache
+    # (the model must share prompts: ``app.models.protocol.shares_prompts``); False: it
+    # prefills its prompt alone
+    share_prompts: bool = False
 
     @property
     def kv_binds(self) -> bool:
@@ -165,11 +176,33 @@ class Scheduler:
             )
             self._close(seq, FinishReason.ERROR, now)
             return True
+        if seq.fork_of is not None and not self._may_fork(seq, seq.fork_of):
+            seq.fork_of = None
         seq.status = RequestStatus.WAITING
         self.waiting.push(seq)
         if self.scheduling is not None:
             self.scheduling.on_queued(seq, now, new=True)
         return False
+
+    def _may_fork(self, seq: Sequence, source: Sequence) -> bool:
+        """Whether ``seq`` may start from ``source``'s prompt cache: forking is on, ``source``
+        is one of this scheduler's live requests with the same prompt and adapter that will
+        decode (``max_tokens`` > 1), and ``seq`` needs no prompt log probabilities (they need
+        every prompt position computed)."""
+        live = self.waiting.get(source.request_id) is source or (
+            source.slot is not None and self.slots.get(source.slot) is source
+        )
+        return (
+            self.config.share_prompts
+            and self.policy is BatchingPolicy.CONTINUOUS  # static: it would wait a whole batch
+            and live
+            and seq.prompt_logprobs is None
+            and seq.num_generated == 0
+            and source.max_tokens > 1  # else it ends at its first token: nothing to fork from
+            and 1 < seq.prompt_len == source.prompt_len
+            and seq.lora == source.lora
+            and source.tokens[: source.prompt_len] == seq.tokens
+        )
 
     def abort(
         self, request_id: str, now: float, reason: FinishReason = FinishReason.ABORT
@@ -197,8 +230,15 @@ class Scheduler:
         return self._end_all(self.waiting.drain(), now, error)
 
     def abort_waiting(self, now: float) -> list[Sequence]:
-        """Abort every request still waiting for a slot (drain: no new admissions)."""
-        return self._end_all(self.waiting.drain(), now, None)
+        """Abort every request still waiting for a slot (drain: no new admissions), but the
+        forks of a running request (``fork_of``): they belong to a request that runs, which
+        may finish within the drain's grace."""
+        queued = self.waiting.drain()
+        kept = {id(seq) for seq in queued if _forks_a_running_request(seq)}
+        for seq in queued:
+            if id(seq) in kept:
+                self.waiting.push(seq)
+        return self._end_all([seq for seq in queued if id(seq) not in kept], now, None)
 
     def preempt(self, seq: Sequence, now: float) -> None:
         """Take a running request off its slot: the slot is released (its cache reset), its
@@ -309,14 +349,19 @@ class Scheduler:
         once it has waited ``preemption_delay`` seconds."""
         if self.policy is BatchingPolicy.STATIC:
             return
-        candidate = policy.select(self.waiting, now)
-        if now - candidate.queued_at < policy.config.preemption_delay:
+        candidate: Sequence | None = policy.select(self.waiting, now)
+        if candidate is not None and candidate.awaits_fork:  # it cannot start yet, slot or
+            candidate = self._first_fitting(policy, None, now)  # not: the next that can
+        if candidate is None or now - candidate.queued_at < policy.config.preemption_delay:
             return  # it may still get a slot that frees on its own
         if self.config.max_loras is not None and not self._lora_fits(
             candidate, self._running_loras()
         ):
             return  # its adapter could not join the batch: a freed slot would go to another
-        victim = policy.victim(candidate, self.slots.running(), now)
+        running = self.slots.running()
+        if candidate.fork_of is not None:  # never its own source: it would wait for it again
+            running = [seq for seq in running if seq is not candidate.fork_of]
+        victim = policy.victim(candidate, running, now)
         # a victim one overtake from the bound would be served first again at once: a
         # preempt-and-readmit loop that would also leave the candidate waiting
         if victim is not None and victim.overtaken + 1 < policy.max_overtakes:
@@ -347,8 +392,14 @@ class Scheduler:
         if first:
             self._unstarted.discard(seq.request_id)
         prefix = seq.tokens[:start] if first and start else ()
+        source = None
+        if first and seq.fork_of is not None:  # a fork: planned in the step that admits it,
+            origin = seq.fork_of  # while its source decodes (a later copy could read a slot
+            assert origin.status is RequestStatus.RUNNING and not origin.prefilling  # reused)
+            source = origin.slot
+        seq.fork_of = None  # forked (or never to be): it is on its own from now on
         chunk = PrefillChunk(seq.slot, seq.tokens[start : start + size], start, sample,
-                             seq.sampling, seq.request_id, prefix, seq)  # fmt: skip
+                             seq.sampling, seq.request_id, prefix, seq, source)  # fmt: skip
         out.prefill_seqs.append(seq)
         out.prefills.append(chunk)
         out.num_prefill_tokens += size
@@ -364,35 +415,36 @@ class Scheduler:
         loras = self._running_loras() if self.config.max_loras is not None else None
         while (budget > 0 or static) and self.waiting and self.slots.num_free:
             seq = self.waiting.peek() if policy is None else policy.select(self.waiting, now)
-            if loras is not None and not self._lora_fits(seq, loras):
+            if not self._may_start(seq, loras):
                 found = self._first_fitting(policy, loras, now)
                 if found is None:
-                    break  # every waiting request needs another adapter: they wait
+                    break  # every waiting request needs another adapter, or waits for its fork
                 seq = found
-            hits = self._cached_prefix(seq)
+            start = self._fork_start(seq)
+            hits = self._cached_prefix(seq, start)
             cost = sum(1 for block in hits if block.refs == 0)  # they leave the free blocks
-            if not self.books.room(0, self._free_blocks - cost):
+            if start:  # a fork: its own copies of the prompt blocks the cache does not share
+                cost += self.books.blocks_for(start) - len(hits)
+            if not self.books.room(start, self._free_blocks - cost):
                 break  # the cache is full: it waits (first come, first served)
-            if policy is None and loras is not None:
-                self.waiting.remove(seq.request_id)  # not necessarily the head
-            elif policy is None:
-                self.waiting.pop()
+            if policy is None:
+                self.waiting.remove(seq.request_id)  # the head, or the first that may start
             else:
                 self._take(policy, seq, now)
             if loras is not None and seq.lora is not None:
                 self._load_lora(out, seq.lora, loras)
             self.slots.allocate(seq)
             seq.status = RequestStatus.RUNNING
-            seq.prefilled, seq.prefill_target = 0, len(seq.tokens)
+            seq.prefilled = start or len(hits) * self.books.block_size
+            seq.prefill_target = len(seq.tokens)
+            self._free_blocks -= cost
             if self.prefix_cache is not None:
                 self.prefix_cache.acquire(seq, hits)
-                self._free_blocks -= cost
-                seq.prefilled = len(hits) * self.books.block_size
                 # a resume's re-lookup is not a query, nor is a request that skips the cache
                 # (prompt log probabilities), as in vLLM
                 if seq.times.admitted is None and seq.prompt_logprobs is None:
                     out.prefix_queries += seq.prompt_len
-                    out.prefix_hits += seq.prefilled
+                    out.prefix_hits += len(hits) * self.books.block_size
             self._admissions += 1
             seq.admission = self._admissions
             if seq.times.admitted is None:  # its first admission (not a resume)
@@ -405,14 +457,34 @@ class Scheduler:
             budget -= self._chunk(out, seq, budget)
         return budget
 
-    def _first_fitting(self, policy: Policy | None, loras: set[str], now: float) -> Sequence | None:
-        """The request to admit among those whose adapter may join a batch running ``loras``:
-        the earliest under fcfs, the policy's pick among them otherwise; None if none fits."""
-        fitting = (s for s in self.waiting if self._lora_fits(s, loras))
+    def _first_fitting(
+        self, policy: Policy | None, loras: set[str] | None, now: float
+    ) -> Sequence | None:
+        """The request to admit among those that may start (``_may_start``): the earliest
+        under fcfs, the policy's pick among them otherwise; None if none may."""
+        fitting = (s for s in self.waiting if self._may_start(s, loras))
         if policy is None:
             return next(fitting, None)
         candidates = list(fitting)
         return policy.select(candidates, now) if candidates else None
+
+    def _may_start(self, seq: Sequence, loras: set[str] | None) -> bool:
+        """Whether the waiting ``seq`` may take a free slot now: its adapter may join the batch
+        (``loras``: the running adapters, None when there is no adapter rule) and it does not
+        wait for the request it forks from to finish its prefill."""
+        return (loras is None or self._lora_fits(seq, loras)) and not seq.awaits_fork
+
+    def _fork_start(self, seq: Sequence) -> int:
+        """Where the waiting ``seq`` starts: a fork whose source decodes starts at its last
+        prompt position (the ones before are copied from the source's slot); anything else
+        at 0 (a fork whose source has ended prefills alone)."""
+        source = seq.fork_of
+        if source is None:
+            return 0
+        if source.status is RequestStatus.RUNNING and not source.prefilling:
+            return seq.prompt_len - 1
+        seq.fork_of = None
+        return 0
 
     def _running_loras(self) -> set[str]:
         """The adapters of the running requests."""
@@ -440,21 +512,24 @@ class Scheduler:
 
     def _take(self, policy: Policy, seq: Sequence, now: float) -> None:
         """Take ``seq`` out of the queue for admission: every request ahead of it in the queue
-        is overtaken once; its own count restarts."""
+        is overtaken once (but a fork waiting for its source, which could not start); its own
+        count restarts."""
         for ahead in self.waiting:
             if ahead is seq:
                 break
-            policy.overtake(ahead)
+            if not ahead.awaits_fork:
+                policy.overtake(ahead)
         self.waiting.remove(seq.request_id)
         seq.overtaken = 0  # served: the count restarts
         policy.on_admitted(seq, now, first=seq.times.admitted is None)
 
-    def _cached_prefix(self, seq: Sequence) -> list[CachedBlock]:
+    def _cached_prefix(self, seq: Sequence, start: int = 0) -> list[CachedBlock]:
         """The cached leading blocks of ``seq``'s prompt (none without a prefix cache). At
-        least its last token is always computed, to sample from."""
+        least its last token is always computed, to sample from. A fork (``start``: its copied
+        positions) references the cached blocks among them, which its source has published."""
         if self.prefix_cache is None or seq.prompt_logprobs is not None:
             return []  # prompt log probabilities need every prompt position computed
-        return self.prefix_cache.lookup(seq, len(seq.tokens) - 1)
+        return self.prefix_cache.lookup(seq, start or len(seq.tokens) - 1)
 
     def _apply_decodes(
         self,
@@ -538,9 +613,7 @@ class Scheduler:
             finished.append(seq)
             return 1
         if seq.constraint is not None and not seq.constraint.accept(token):
-            seq.error = ModelOutputError(  # (a grammar-engine limit, or a model that broke it)
-                f"the request's grammar could not take token {token}"
-            )
+            seq.error = seq.constraint.refusal(token)  # a grammar-engine limit, or a model bug
             self._finish(seq, FinishReason.ERROR, now)
             finished.append(seq)
             return 1
@@ -616,6 +689,11 @@ class Scheduler:
         seq.prefilled = 0
         if self.prefix_cache is not None:
             self.prefix_cache.release(seq)
+
+
+def _forks_a_running_request(seq: Sequence) -> bool:
+    source = seq.fork_of
+    return source is not None and source.status is RequestStatus.RUNNING
 
 
 def _store_prompt_logprobs(seq: Sequence, found: tuple[int, list[Logprobs]] | None) -> None:

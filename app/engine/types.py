@@ -76,6 +76,12 @@ class TokenConstraint(Protocol):
         """Advance past ``token``; False if the grammar forbids it."""
         ...
 
+    def refusal(self, token: int) -> Exception:
+        """Why ``accept(token)`` returned False: ``GrammarLimitError`` if the grammar engine gave
+        up on the request's grammar (a limit on its work per token: the client's grammar),
+        else ``ModelOutputError`` (the model emitted a token its grammar forbids: a bug)."""
+        ...
+
     @property
     def finished(self) -> bool:
         """The grammar has ended: nothing more may be generated."""
@@ -119,6 +125,11 @@ class Sequence:
     constraint: TokenConstraint | None = None  # its output grammar (None: unconstrained)
     user: str | None = None
     lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
+    # n > 1: the request (another choice of the same prompt) whose prompt cache this one starts
+    # from. While set, it waits in the queue until that request is past its prefill; it then
+    # starts from a copy of that request's cache (a fork: its prompt is prefilled once for
+    # every choice). Cleared once forked, or when forking is not possible (it prefills alone).
+    fork_of: Sequence | None = field(default=None, repr=False)
     prompt_len: int = 0
     token_limit: int = 0  # len(tokens) at which max_tokens is reached
     status: RequestStatus = RequestStatus.WAITING
@@ -182,6 +193,20 @@ class Sequence:
     def prefilling(self) -> bool:
         """Running and not yet through its prefill (no token sampled since admission)."""
         return self.status is RequestStatus.RUNNING and self.prefilled < self.prefill_target
+
+    @property
+    def awaits_fork(self) -> bool:
+        """Waiting until the request it forks from (``fork_of``) is past its prefill: that one
+        is queued, preempted or still prefilling."""
+        source = self.fork_of
+        if source is None:
+            return False
+        status = source.status
+        return (
+            status is RequestStatus.WAITING
+            or status is RequestStatus.PREEMPTED
+            or (source.prefilling)
+        )
 
     @property
     def num_computed_tokens(self) -> int:

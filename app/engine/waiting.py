@@ -25,6 +25,9 @@ class WaitingQueue:
         """The sequences in queue order (the queue must not change meanwhile)."""
         return iter(self._by_id.values())
 
+    def get(self, request_id: str) -> Sequence | None:
+        return self._by_id.get(request_id)
+
     def push(self, seq: Sequence) -> None:
         self._by_id[seq.request_id] = seq
 

@@ -33,6 +33,7 @@ class CachedMockModel(MockBase):
     """
 
     supports_prefix_caching = True
+    copies_slots = True  # a fork's prefix is copied as its tokens (checked against the source)
 
     def __init__(
         self, num_slots: int, language: MockLanguage | None = None, *, seed: int = 0
@@ -62,10 +63,24 @@ class CachedMockModel(MockBase):
             cache.append(token)
             out.append(next_token(cache))
         for chunk in batch.prefills:
+            self._check_fork(chunk)
             cache = self._prefill(chunk.slot, chunk.token_ids, chunk.start, chunk.prefix)
             if chunk.sample:
                 out.append(next_token(cache))
         return out
+
+    def _check_fork(self, chunk: PrefillChunk) -> None:
+        """A fork's source slot must hold its ``prefix`` as the step starts (the contract a
+        real model relies on to copy the key/values)."""
+        source = chunk.prefix_slot
+        if source is None:
+            return
+        held = self._cache[source]
+        if held is None or held[: chunk.start] != list(chunk.prefix):
+            raise SlotReuseError(
+                f"slot {chunk.slot}: fork of {chunk.request_id!r} from slot {source}, which "
+                f"does not hold its {chunk.start}-token prefix"
+            )
 
     def _prefill(
         self, slot: int, tokens: list[int], start: int, prefix: Sequence[int]
@@ -96,6 +111,7 @@ class CachedMockModel(MockBase):
             history = batch.decode_histories[i] if batch.decode_histories else None
             self._sample(cache, params, history, result.tokens, logprobs)
         for chunk in batch.prefills:
+            self._check_fork(chunk)
             cache = self._prefill(chunk.slot, chunk.token_ids, chunk.start, chunk.prefix)
             self._prompt_logprobs(chunk, prompts)
             if chunk.sample:

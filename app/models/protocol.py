@@ -162,7 +162,12 @@ class PrefillChunk:
     ``0 .. start - 1``, the slot was released (its cache is empty), and the model must put the
     prefix's key/values in the slot before processing ``token_ids`` (a mock copies the tokens;
     a real runner maps the cached blocks, which the engine's prefix cache guarantees it
-    computed). Only a model with ``supports_prefix_caching = True`` ever gets a prefix.
+    computed). Only a model with ``supports_prefix_caching = True`` ever gets a prefix, with
+    one exception: a *fork* (one of a request's ``n`` choices starting from another choice's
+    prompt, computed once) carries ``prefix_slot``, the slot of a running request whose cache
+    holds the same ``prefix`` at positions ``0 .. start - 1``; the model copies those positions
+    into ``slot`` before this step's forward (nothing in the step has changed them yet). Only a
+    model with ``copies_slots = True`` ever gets a fork.
     ``sample`` is True when the chunk completes the prefill: the model then returns one
     token for this entry, sampled from the logits at the chunk's last position; a partial chunk
     returns nothing. With ``sampling.prompt_logprobs`` set, the model also returns (in a
@@ -181,6 +186,7 @@ class PrefillChunk:
     request_id: str
     prefix: Seq[int] = ()
     history: TokenHistory | None = None  # the request's tokens (see ``TokenHistory``)
+    prefix_slot: int | None = None  # a fork: the running slot that holds ``prefix``
 
     @property
     def fresh(self) -> bool:
@@ -264,6 +270,17 @@ def supports_prefix_caching(model: object) -> bool:
     fed each sequence's whole prefix anyway."""
     if isinstance(model, CachedModel):
         return getattr(model, "supports_prefix_caching", False) is True
+    return isinstance(model, StatelessModel)
+
+
+def shares_prompts(model: object) -> bool:
+    """Whether ``model`` can start a request from another slot's prompt cache (a fork: see
+    ``PrefillChunk.prefix_slot``), so ``n`` choices prefill their prompt once. A stateless
+    model can (it is fed whole prefixes); a cached model must declare ``copies_slots = True``
+    (it copies the key/values between slots: a fork's prefix ends mid-block, so no prefix
+    cache holds all of it)."""
+    if isinstance(model, CachedModel):
+        return getattr(model, "copies_slots", False) is True
     return isinstance(model, StatelessModel)
 
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import llguidance
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
+from app.engine.errors import GrammarLimitError, ModelOutputError
 from app.models.tokenizer import ByteTokenizer, Tokenizer
 from app.structured.constraint import Constraint, ConstraintError, ConstraintKind, shorten
 from app.structured.vocab import grammar_vocabulary
@@ -43,6 +44,9 @@ TEMPLATES = 256  # compiled grammars kept (see GrammarCompiler.matcher)
 TEMPLATE_BYTES = 2 << 20  # ... and their sources' total size (compiled: tens of times more)
 MAX_SOURCE = 64 << 10  # a constraint's source at most (a schema, regex, grammar, choices)
 STRUCTURAL = '"{}[],:'
+# llguidance's error for a token its grammar does not allow (its other errors after compiling are
+# its limits: "Current row has N items; max is M", "Too many items (limit N; mask)", lexer fuel)
+REJECTED = "doesn't satisfy the grammar"
 CLOSING = ('"', "}", "]", ",")  # after EOS, in this order: strings, objects, arrays, items
 NUMBER = "1"  # a value that must start (no string, object or array allowed): a number
 NONE = -1  # no token
@@ -113,18 +117,35 @@ class GrammarMatcher:
         return bytes(self._matcher.compute_bitmask())
 
     def accept(self, token: int) -> bool:
-        """Advance past ``token``; False if the grammar forbids it (the matcher is then broken).
-        ``finished`` then says whether the grammar has ended."""
+        """Advance past ``token``; False if the grammar forbids it or llguidance gave up on the
+        grammar (see ``refusal``; the matcher is then broken). A matcher in its error state
+        still takes EOS (its masks then allow only EOS), so that is checked after the step:
+        the request must not end as if its grammar had. ``finished`` then says whether the
+        grammar has ended."""
         if token == self._pending:  # ``choose`` consumed it already
             self._pending = NONE
         else:
             self._settle()
             if not self._matcher.consume_token(token):
                 return False
+        if self._matcher.is_error():  # ~40 ns
+            return False
         self._run = 0 if token in self._structural else self._run + 1
         if not self._ahead:  # (a forced run still ahead: the grammar goes on)
             self.finished = self._matcher.is_stopped()
         return True
+
+    def refusal(self, token: int) -> Exception:
+        """Why ``accept(token)`` returned False (the matcher is in its error state):
+        ``ModelOutputError`` if the grammar rejected the token (a model that broke the mask it
+        was given), else ``GrammarLimitError`` with llguidance's reason (it gave up on the
+        grammar: a limit on its work per token; see ``limit_reason``)."""
+        message = self._matcher.get_error()
+        if REJECTED in message:
+            return ModelOutputError(
+                f"the model emitted token {token}, which the request's grammar forbids"
+            )
+        return GrammarLimitError(limit_reason(message))
 
     def choose(self, preferred: int) -> int:
         """The token a model that cannot apply a mask emits: ``preferred`` while the grammar
@@ -303,6 +324,16 @@ class GrammarCompiler:
             while len(self._templates) > TEMPLATES or self._template_bytes > TEMPLATE_BYTES:
                 old, _ = self._templates.popitem(last=False)
                 self._template_bytes -= len(old.source)
+
+
+def limit_reason(message: str) -> str:
+    """llguidance's error ``message`` without its parser-state dump and its prefix, shortened:
+    e.g. "Current row has 2003 items; max is 2000; consider making your grammar left-recursive
+    if it's right-recursive"."""
+    reason = message.split("<state>", 1)[0].strip()
+    for prefix in ("Parser Error:", "parser error:"):
+        reason = reason.removeprefix(prefix).strip()
+    return shorten(reason or "the grammar engine gave up on this grammar")
 
 
 def grammar_text(constraint: Constraint) -> str:

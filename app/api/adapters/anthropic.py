@@ -32,7 +32,7 @@ from app.api.adapters.anthropic_schemas import (
     ToolResultBlock,
 )
 from app.api.deps import KeyNameDep, ServingDep
-from app.api.errors import APIError, model_not_found
+from app.api.errors import APIError
 from app.api.native import ERROR_RESPONSES
 from app.api.schemas import ChatMessage
 from app.api.streaming import sse_event
@@ -60,7 +60,7 @@ async def messages(
     )  # fmt: skip
     await serving.precompile(internal.constraint, internal.constraint_param)  # off the loop
     run = generation.start(request, serving, internal, key_name)
-    model = serving.settings.model_name
+    model = run.model  # the model named (a LoRA adapter is echoed), else the served one
     response: Response
     if body.stream:
         response = generation.stream_response(run, serving, MessageEvents(run, model))
@@ -68,7 +68,7 @@ async def messages(
         try:
             outcome = await generation.await_outcome(request, run, serving)
         except generation.ModelFailed as err:
-            raise APIError(500, str(err), "server_error", code="model_error") from err
+            raise err.error from err
         response = JSONResponse(message_object(run.id, model, outcome))
     return generation.flag_priority(response, serving, internal)
 
@@ -76,8 +76,7 @@ async def messages(
 @router.post("/messages/count_tokens", responses=ERROR_RESPONSES)
 async def count_tokens(body: CountTokensRequest, serving: ServingDep) -> dict[str, int]:
     """The prompt's length in tokens, as ``/v1/messages`` would send it to the model."""
-    if body.model is not None and body.model != serving.settings.model_name:
-        raise model_not_found(body.model, serving.settings.model_name)
+    generation.adapter(serving, body.model)  # the served model or a LoRA adapter, else 404
     plan = tool_plan(body, serving, decide=False)
     return {"input_tokens": len(prompt_ids(body, plan, serving))}
 
@@ -259,8 +258,9 @@ class MessageEvents:
         yield _event("message_delta", {"delta": delta, "usage": usage})
         yield _event("message_stop", {})
 
-    def failure(self, message: str) -> Iterable[bytes]:
-        yield _event("error", {"error": {"type": "api_error", "message": message}})
+    def failure(self, error: APIError) -> Iterable[bytes]:
+        kind = "api_error" if error.status >= 500 else "invalid_request_error"
+        yield _event("error", {"error": {"type": kind, "message": error.message}})
 
     def closed(self) -> None:
         return None

@@ -93,7 +93,7 @@ async def create(
         try:
             outcome = await generation.await_outcome(request, run, serving)
         except generation.ModelFailed as err:
-            raise APIError(500, str(err), "server_error", code="model_error") from err
+            raise err.error from err
         entry.response = shape.finished(outcome)
         if body.store:
             _keeper(store, entry)(entry.response, outcome)
@@ -309,9 +309,11 @@ async def _background(
     try:
         outcome = await generation.collect(run, serving)
     except Exception as err:
-        if not isinstance(err, generation.ModelFailed):
+        if isinstance(err, generation.ModelFailed):
+            entry.response = shape.failed(err.error)
+        else:
             log.exception("background response %s failed", run.id)
-        entry.response = shape.failed(str(err))
+            entry.response = shape.failed(APIError(500, str(err), "server_error"))
         store.finished(entry)
         return
     except BaseException:  # cancelled (shutdown): it still ends
@@ -330,7 +332,7 @@ class ResponseShape:
     """The ``response`` object of one request, at any status."""
 
     def __init__(self, run: generation.Run, body: ResponsesRequest, serving: Serving) -> None:
-        self.run, self.body, self.model = run, body, serving.settings.model_name
+        self.run, self.body, self.model = run, body, run.model  # a LoRA adapter is echoed
         self.top = body.logprobs_asked()  # None: no log probabilities
         self.token_text = TokenText(serving.tokenizer)
         self.id = run.id
@@ -401,8 +403,11 @@ class ResponseShape:
         }  # fmt: skip
         return self.object(status, items, usage, incomplete_details=incomplete)
 
-    def failed(self, message: str) -> dict[str, Any]:
-        return self.object("failed", error={"code": "server_error", "message": message})
+    def failed(self, error: APIError) -> dict[str, Any]:
+        """The ``failed`` object: ``error.code`` is ``server_error`` for our faults, else the
+        client's problem (``invalid_grammar``: the grammar engine gave up on its grammar)."""
+        code = "server_error" if error.status >= 500 else error.code or "invalid_request"
+        return self.object("failed", error={"code": code, "message": error.message})
 
 
 def _dumped(value: Any) -> Any:
@@ -501,8 +506,8 @@ class ResponseEvents:
         terminal = "response.completed" if final["status"] == "completed" else "response.incomplete"
         yield self._event(terminal, response=final)
 
-    def failure(self, message: str) -> Iterable[bytes]:
-        final = self.shape.failed(message)
+    def failure(self, error: APIError) -> Iterable[bytes]:
+        final = self.shape.failed(error)
         self.keep(final, None)
         self.kept = True
         yield self._event("response.failed", response=final)

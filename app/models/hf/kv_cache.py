@@ -69,3 +69,15 @@ class KVCache:
         ``positions`` in ``slots`` (both shaped (tokens,))."""
         self.keys[layer][slots, :, positions] = keys
         self.values[layer][slots, :, positions] = values
+
+    def copy_prefix(self, source: int, target: int, length: int) -> None:
+        """Give slot ``target`` a copy of slot ``source``'s first ``length`` positions (a fork:
+        another choice of the same prompt); ``target``'s length becomes ``length``."""
+        if self.lengths[source] < length:
+            raise ValueError(
+                f"slot {source} caches {self.lengths[source]} positions, not the {length} "
+                f"to copy into slot {target}"
+            )
+        self.keys[:, target, :, :length] = self.keys[:, source, :, :length]
+        self.values[:, target, :, :length] = self.values[:, source, :, :length]
+        self.lengths[target] = length

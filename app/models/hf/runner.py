@@ -41,6 +41,7 @@ class HFModel:
 
     blocking = True
     applies_token_masks = True  # samples under StepBatch.token_masks (structured outputs)
+    copies_slots = True  # starts a fork from another slot's cache (PrefillChunk.prefix_slot)
 
     def __init__(self, forward: LlamaForward, sampler: Sampler) -> None:
         self._forward = forward
@@ -136,6 +137,8 @@ class HFModel:
         decode_slots = list(batch.decode_slots)
         decode_positions = [lengths[slot] for slot in decode_slots]
         for chunk in batch.prefills:
+            if chunk.prefix_slot is not None:  # a fork: its prompt's cache, copied
+                self._copy_prefix(chunk)
             self._check_chunk(chunk)
         for slot, position in zip(decode_slots, decode_positions, strict=True):
             self._check_room(slot, position + 1)
@@ -174,6 +177,20 @@ class HFModel:
         for chunk in batch.prefills:
             lengths[chunk.slot] = chunk.start + len(chunk.token_ids)
         return logits, params, positions
+
+    def _copy_prefix(self, chunk: PrefillChunk) -> None:
+        """Fill a fork's fresh slot with the first ``chunk.start`` positions of the slot that
+        holds its prompt (``chunk.prefix_slot``), before the forward writes anything."""
+        assert chunk.prefix_slot is not None
+        if self.cache.lengths[chunk.slot] or len(chunk.prefix) != chunk.start:
+            raise SlotStateError(
+                f"slot {chunk.slot}: fork of {chunk.request_id!r} needs a released slot and "
+                f"its prefix ({len(chunk.prefix)} tokens for a start at {chunk.start})"
+            )
+        try:
+            self.cache.copy_prefix(chunk.prefix_slot, chunk.slot, chunk.start)
+        except ValueError as err:
+            raise SlotStateError(str(err)) from None
 
     def _check_chunk(self, chunk: PrefillChunk) -> None:
         cached = self.cache.lengths[chunk.slot]
