@@ -122,14 +122,12 @@ class GrammarMatcher:
         still takes EOS (its masks then allow only EOS), so that is checked after the step:
         the request must not end as if its grammar had. ``finished`` then says whether the
         grammar has ended."""
-        if token == self._pending:  # ``choose`` consumed it already
-            self._pending = NONE
+        if token == self._pending:  # ``choose`` consumed it already (a consume that succeeded:
+            self._pending = NONE  # llguidance's errors make it report failure, so no error)
         else:
             self._settle()
-            if not self._matcher.consume_token(token):
+            if not self._matcher.consume_token(token) or self._matcher.is_error():  # ~40 ns
                 return False
-        if self._matcher.is_error():  # ~40 ns
-            return False
         self._run = 0 if token in self._structural else self._run + 1
         if not self._ahead:  # (a forced run still ahead: the grammar goes on)
             self.finished = self._matcher.is_stopped()
