@@ -71,6 +71,15 @@ def test_a_token_the_grammar_forbids_is_a_model_error_not_the_clients() -> None:
     assert isinstance(refusal, ModelOutputError) and not isinstance(refusal, GrammarLimitError)
 
 
+def test_an_id_outside_the_vocabulary_is_a_model_error_not_the_clients() -> None:
+    """Review: every llguidance error but "doesn't satisfy the grammar" was taken for a limit,
+    so a model's out-of-range id was answered as the client's 400 invalid_grammar."""
+    matcher = COMPILER.matcher(Constraint.regex("[0-9]+"))
+    assert not matcher.accept(5000)
+    refusal = matcher.refusal(5000)
+    assert isinstance(refusal, ModelOutputError) and not isinstance(refusal, GrammarLimitError)
+
+
 def test_the_api_answers_a_grammar_limit_400_and_a_model_failure_500() -> None:
     limit = generation_failed(GrammarLimitError("Current row has 2003 items"), "tools")
     assert (limit.status, limit.code, limit.param) == (400, "invalid_grammar", "tools")

@@ -44,9 +44,11 @@ TEMPLATES = 256  # compiled grammars kept (see GrammarCompiler.matcher)
 TEMPLATE_BYTES = 2 << 20  # ... and their sources' total size (compiled: tens of times more)
 MAX_SOURCE = 64 << 10  # a constraint's source at most (a schema, regex, grammar, choices)
 STRUCTURAL = '"{}[],:'
-# llguidance's error for a token its grammar does not allow (its other errors after compiling are
-# its limits: "Current row has N items; max is M", "Too many items (limit N; mask)", lexer fuel)
-REJECTED = "doesn't satisfy the grammar"
+# llguidance's errors after compiling that are its limits on the work per token (the grammar's
+# fault: "Current row has N items; max is M", "Too many items (limit N; mask)", lexer fuel, too
+# many lexer states); any other error (a token the grammar rejects, an id outside the
+# vocabulary, a token after the end) is the model's
+LIMITS = ("items; max is", "Too many items", "fuel", "too many states")
 CLOSING = ('"', "}", "]", ",")  # after EOS, in this order: strings, objects, arrays, items
 NUMBER = "1"  # a value that must start (no string, object or array allowed): a number
 NONE = -1  # no token
@@ -135,15 +137,16 @@ class GrammarMatcher:
 
     def refusal(self, token: int) -> Exception:
         """Why ``accept(token)`` returned False (the matcher is in its error state):
-        ``ModelOutputError`` if the grammar rejected the token (a model that broke the mask it
-        was given), else ``GrammarLimitError`` with llguidance's reason (it gave up on the
-        grammar: a limit on its work per token; see ``limit_reason``)."""
+        ``GrammarLimitError`` with llguidance's reason if it gave up on the grammar (one of its
+        ``LIMITS`` on the work per token; see ``limit_reason``), else ``ModelOutputError`` (a
+        model that broke the mask it was given, or emitted an id outside the vocabulary)."""
         message = self._matcher.get_error()
-        if REJECTED in message:
-            return ModelOutputError(
-                f"the model emitted token {token}, which the request's grammar forbids"
-            )
-        return GrammarLimitError(limit_reason(message))
+        if any(limit in message for limit in LIMITS):
+            return GrammarLimitError(limit_reason(message))
+        return ModelOutputError(
+            f"the model emitted token {token}, which the request's grammar does not take "
+            f"({shorten(message.split('<state>', 1)[0].strip())})"
+        )
 
     def choose(self, preferred: int) -> int:
         """The token a model that cannot apply a mask emits: ``preferred`` while the grammar
