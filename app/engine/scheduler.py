@@ -24,8 +24,9 @@ A request's ``n`` choices prefill their prompt once: every choice but the first 
 (``Sequence.fork_of``). It waits in the queue, passed over, while the first choice prefills;
 once that one decodes, the fork is admitted with every prompt position but the last copied
 from the first choice's slot (``PrefillChunk.prefix_slot``) and is fed only the last one, which
-it samples from with its own seed. A fork that cannot be made (the first choice has ended, or
-asks for prompt log probabilities) prefills on its own, losing nothing but time.
+it samples from with its own seed. A fork that cannot be made (the first choice has ended or
+stops at its first token, the fork asks for prompt log probabilities) prefills on its own,
+losing nothing but time.
 """
 
 from __future__ import annotations
@@ -234,11 +235,11 @@ class Scheduler:
         forks of a running request (``fork_of``): they belong to a request that runs, which
         may finish within the drain's grace."""
         queued = self.waiting.drain()
-        kept = {id(seq) for seq in queued if _forks_a_running_request(seq)}
         for seq in queued:
-            if id(seq) in kept:
+            if _forks_a_running_request(seq):
                 self.waiting.push(seq)
-        return self._end_all([seq for seq in queued if id(seq) not in kept], now, None)
+        ended = [seq for seq in queued if seq.request_id not in self.waiting]
+        return self._end_all(ended, now, None)
 
     def preempt(self, seq: Sequence, now: float) -> None:
         """Take a running request off its slot: the slot is released (its cache reset), its
@@ -349,9 +350,8 @@ class Scheduler:
         once it has waited ``preemption_delay`` seconds."""
         if self.policy is BatchingPolicy.STATIC:
             return
-        candidate: Sequence | None = policy.select(self.waiting, now)
-        if candidate is not None and candidate.awaits_fork:  # it cannot start yet, slot or
-            candidate = self._first_fitting(policy, None, now)  # not: the next that can
+        picked = policy.select(self.waiting, now)  # a waiting fork cannot start: the next can
+        candidate = self._first_fitting(policy, None, now) if picked.awaits_fork else picked
         if candidate is None or now - candidate.queued_at < policy.config.preemption_delay:
             return  # it may still get a slot that frees on its own
         if self.config.max_loras is not None and not self._lora_fits(

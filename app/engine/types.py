@@ -202,11 +202,8 @@ class Sequence:
         if source is None:
             return False
         status = source.status
-        return (
-            status is RequestStatus.WAITING
-            or status is RequestStatus.PREEMPTED
-            or (source.prefilling)
-        )
+        waiting = status is RequestStatus.WAITING or status is RequestStatus.PREEMPTED
+        return waiting or source.prefilling
 
     @property
     def num_computed_tokens(self) -> int:

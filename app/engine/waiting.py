@@ -26,6 +26,7 @@ class WaitingQueue:
         return iter(self._by_id.values())
 
     def get(self, request_id: str) -> Sequence | None:
+        """The queued sequence with this id, if any."""
         return self._by_id.get(request_id)
 
     def push(self, seq: Sequence) -> None:
