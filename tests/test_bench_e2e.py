@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from server_process import free_port, running_server
 
@@ -141,3 +144,78 @@ def test_slotserve_bench_is_a_subcommand_of_the_main_cli(
         slotserve(["bench", "--num-requests", "0"])
     assert exit_info.value.code == 2
     assert "slotserve bench: error: --num-requests" in capsys.readouterr().err
+
+
+def finished_requests(url: str) -> float:
+    """The server's ``vllm:request_success_total``, summed over its labels."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{"))  # fmt: skip
+
+
+def running_requests(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("vllm:num_requests_running"))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("workers", "sig"), [("1", signal.SIGINT), ("2", signal.SIGINT), ("2", signal.SIGTERM)]
+)
+def test_an_interrupted_run_reports_the_requests_that_ended_as_partial(
+    tmp_path: Path, workers: str, sig: signal.Signals
+) -> None:
+    """Ctrl-C (SIGINT) or a SIGTERM to the bench process alone (workers included) ends the
+    run early with its summary, JSON and charts for the requests done so far, marked partial,
+    and the streams still open are closed (the server frees their slots)."""
+    with running_server("--num-slots", "8", "--mock-step-ms", "2") as server:
+        out, charts = tmp_path / "r.json", tmp_path / "charts"
+        before = finished_requests(server.url)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "app", "bench", "--url", server.url, "--num-requests", "400",
+             "--request-rate", "40", "--output-len", "40", "--workers", workers,
+             "--slo", "ttft_ms=100", "--json", str(out), "--report", str(charts)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while finished_requests(server.url) - before < 10:  # the run is under way
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.05)
+        process.send_signal(sig)
+        stdout, stderr = process.communicate(timeout=30)
+        assert process.returncode == 130, stderr
+        assert "partial" in stderr and "Traceback" not in stderr
+        assert "slotserve bench (partial)" in stdout
+        body = json.loads(out.read_text())
+        assert body["partial"] is True and body["planned_requests"] == 400
+        assert 10 <= body["completed"] == body["requests"] < 400
+        assert {p.name for p in charts.iterdir()} >= {"latency_cdf.png", "server_load.png"}
+        deadline = time.monotonic() + 10
+        while running_requests(server.url) > 0:  # the open streams were closed and aborted
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+def test_without_a_terminal_progress_is_a_line_every_few_seconds(
+    server_url: str,
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys, app.bench.cli as c; c.PROGRESS_LINE_S = 0.0; "
+         "sys.exit(c.main(sys.argv[1:]))", "--url", server_url, "--num-requests", "3",
+         "--output-len", "2", "--concurrency", "1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "requests ended" in line]
+    assert lines[-1].startswith("slotserve bench: 3/3 requests ended, 0 failed")
+
+
+def test_help_shows_each_default_once_and_never_the_key(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SLOTSERVE_API_KEY", "hunter2")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert "hunter2" not in text and "(default: None)" not in text
+    assert "(default: 200)" in text  # --num-requests

@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -22,7 +23,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from app.bench import report, workload
 from app.bench.client import RequestResult
 from app.bench.metrics import parse_slo
-from app.bench.runner import BenchError, RunConfig, RunOutput, run
+from app.bench.runner import BenchError, Interrupted, RunConfig, RunOutput, run
+
+PROGRESS_LINE_S = 5.0  # seconds between progress lines when stderr is not a terminal
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,12 +33,22 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless it has none or its help already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default is None or action.default is False or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="slotserve bench",
         description="Load-test a slotserve server (native /generate) or any OpenAI-compatible "
         "server (--api openai) and report TTFT, TPOT, ITL and E2EL as vllm bench serve does.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_Defaults,
     )
     add = parser.add_argument
     add("--url", default="http://127.0.0.1:8000", help="server base URL")
@@ -101,11 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="temperature sent with every request (unset: the server's default)",
     )
     add("--slo", default="", help="goodput SLOs in ms, e.g. ttft_ms=500,tpot_ms=50")
-    add(
-        "--api-key",
-        default=os.environ.get("SLOTSERVE_API_KEY"),
-        help="bearer token (default: $SLOTSERVE_API_KEY)",
-    )
+    add("--api-key", default=None, help="bearer token (default: $SLOTSERVE_API_KEY)")
     add("--header", action="append", default=[], metavar="K=V", help="extra header (repeat)")
     add("--workers", type=int, default=1, help="load-generating processes")
     add(
@@ -118,7 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--timeout", type=float, default=300.0, help="seconds a stream may go without bytes")
     add("--json", type=Path, default=None, metavar="PATH", help="write the figures as JSON")
     add("--report", type=Path, default=None, metavar="DIR", help="write PNG charts here")
-    add("--no-progress", action="store_true", help="no live progress bar")
+    add(
+        "--no-progress",
+        action="store_true",
+        help="no progress (a live bar on a terminal, else a line every few seconds)",
+    )
     return parser
 
 
@@ -137,10 +150,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BenchError as err:
         print(f"slotserve bench: error: {err}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("slotserve bench: interrupted", file=sys.stderr)
+    except (KeyboardInterrupt, Interrupted):
+        print("slotserve bench: interrupted before any request was measured", file=sys.stderr)
         return 130
-    return _report(args, output, slo, console)
+    if output.partial:
+        print(
+            f"slotserve bench: interrupted: reporting the {len(output.results)} of "
+            f"{output.planned} requests that ended (partial)",
+            file=sys.stderr,
+        )
+    status = _report(args, output, slo, console)
+    return 130 if output.partial else status
 
 
 def _setup(
@@ -227,14 +247,25 @@ def _run_with_progress(
         disable=quiet or not console.is_terminal,
     )
     task = bar.add_task("requests", total=len(specs), failed=0)
-    failed, shown = 0, 0.0
+    lines = not quiet and not console.is_terminal  # a log file gets a line every few seconds
+    failed, done, began = 0, 0, time.monotonic()
+    shown = began
 
     def advance(result: RequestResult) -> None:  # no refresh thread: workers are forked
-        nonlocal failed, shown
+        nonlocal failed, done, shown
         failed += result.status == "failed"
+        done += 1
         bar.update(task, advance=1, failed=failed)
         now = time.monotonic()
-        if now - shown > 0.1:
+        if lines and now - shown >= PROGRESS_LINE_S:
+            print(
+                f"slotserve bench: {done}/{len(specs)} requests ended, {failed} failed, "
+                f"{now - began:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+            shown = now
+        elif not lines and now - shown > 0.1:
             bar.refresh()
             shown = now
 
@@ -254,7 +285,9 @@ def _report(
         report.write_json(args.json, report.document(output, slo, setup))
         console.print(f"wrote {args.json}")
     if args.report is not None:
-        for path in report.write_charts(args.report, output):
+        when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+        title = report.chart_title(setup, output, when)
+        for path in report.write_charts(args.report, output, title, slo):
             console.print(f"wrote {path}")
     ok = sum(r.status != "failed" for r in output.results)
     return 0 if ok else 1

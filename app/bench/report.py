@@ -62,6 +62,8 @@ def document(run: RunOutput, slo: Mapping[str, float], setup: Mapping[str, Any])
             name: summary_dict(summarize(rs, run.duration_s, slo)) for name, rs in groups.items()
         }
     body |= {
+        "partial": run.partial,
+        "planned_requests": run.planned,
         "slo": dict(slo),
         "server_generation_tokens": run.server_tokens,
         "tool_cpu_per_worker": [round(share, 3) for share in run.worker_cpu],
@@ -86,7 +88,8 @@ def print_summary(console: Console, run: RunOutput, slo: Mapping[str, float]) ->
     groups = groups_of(run.results)
     columns = {"all": run.results} | (groups if len(groups) > 1 else {})
     summaries = {name: summarize(rs, run.duration_s, slo) for name, rs in columns.items()}
-    table = Table(title="slotserve bench", title_justify="left")
+    title = "slotserve bench" + (" (partial)" if run.partial else "")
+    table = Table(title=title, title_justify="left")
     table.add_column("metric")
     for name in summaries:
         table.add_column(name, justify="right")
@@ -149,9 +152,12 @@ def require_matplotlib() -> None:
         raise ImportError(INSTALL_HINT) from None
 
 
-def write_charts(directory: Path, run: RunOutput) -> list[Path]:
-    """``latency_cdf.png`` (TTFT, TPOT, ITL, E2EL per group) and, with samples,
-    ``server_load.png`` (requests running and waiting over time). Returns the paths."""
+def write_charts(
+    directory: Path, run: RunOutput, title: str = "", slo: Mapping[str, float] | None = None
+) -> list[Path]:
+    """``latency_cdf.png`` (TTFT, TPOT, ITL, E2EL per group, each ``slo`` limit drawn as a
+    dashed line, one legend) and, with samples, ``server_load.png`` (requests running and
+    waiting over time). ``title`` (the run's details) heads both. Returns the paths."""
     require_matplotlib()
     import matplotlib
 
@@ -160,7 +166,7 @@ def write_charts(directory: Path, run: RunOutput) -> list[Path]:
 
     directory.mkdir(parents=True, exist_ok=True)
     paths = [directory / "latency_cdf.png"]
-    figure, axes = plt.subplots(1, 4, figsize=(16, 3.8))
+    figure, axes = plt.subplots(1, 4, figsize=(16, 4.4))
     for group, results in groups_of(run.results).items():
         times = [t for r in results if r.status == "completed" and (t := request_times(r))]
         series = {
@@ -169,26 +175,56 @@ def write_charts(directory: Path, run: RunOutput) -> list[Path]:
             "ITL": [gap for t in times for gap in t.itls],
             "E2EL": [t.e2el for t in times],
         }
-        for axis, (label, values) in zip(axes, series.items(), strict=True):
+        for axis, values in zip(axes, series.values(), strict=True):
             ms = sorted(v * 1000 for v in values)
             if ms:
                 ys = [(i + 1) / len(ms) for i in range(len(ms))]
                 axis.step(ms, ys, where="post", label=group)
-            axis.set_title(f"{label} CDF")
-            axis.set_xlabel("ms")
-            axis.grid(alpha=0.3)
+    for axis, label in zip(axes, ("TTFT", "TPOT", "ITL", "E2EL"), strict=True):
+        limit = (slo or {}).get(f"{label.lower()}_ms")
+        if limit is not None:
+            axis.axvline(limit, color="red", linestyle="--", label=f"{label} SLO {limit:g} ms")
+        axis.set_title(f"{label} CDF")
+        axis.set_xlabel("ms")
+        axis.grid(alpha=0.3)
     axes[0].set_ylabel("fraction of requests (ITL: of gaps)")
-    axes[0].legend()
-    figure.tight_layout()
+    _one_legend(figure, axes)
+    figure.suptitle(title, fontsize=10)
+    figure.tight_layout(rect=(0, 0.08, 1, 1))
     figure.savefig(paths[0], dpi=100)
     plt.close(figure)
     if run.samples:
         paths.append(directory / "server_load.png")
-        _load_chart(plt, run, paths[-1])
+        _load_chart(plt, run, paths[-1], title)
     return paths
 
 
-def _load_chart(plt: Any, run: RunOutput, path: Path) -> None:
+def _one_legend(figure: Any, axes: Sequence[Any]) -> None:
+    """One legend below the panels: every series once (the groups, then any SLO line)."""
+    entries: dict[str, Any] = {}
+    for axis in axes:
+        for handle, label in zip(*axis.get_legend_handles_labels(), strict=True):
+            entries.setdefault(label, handle)
+    if entries:
+        figure.legend(
+            list(entries.values()), list(entries), loc="lower center", ncol=min(len(entries), 6)
+        )
+
+
+def chart_title(setup: Mapping[str, Any], run: RunOutput, when: str) -> str:
+    """The run's details for a chart: model, server, load, requests and date."""
+    rate = setup.get("request_rate")
+    load = f"{rate:g} requests/s" if isinstance(rate, float) and math.isfinite(rate) else "burst"
+    if setup.get("concurrency"):
+        load += f", concurrency {setup['concurrency']}"
+    requests = f"{len(run.results)} requests" + (
+        f" of {run.planned} (partial)" if run.partial else ""
+    )
+    model = setup.get("model") or "the server's model"
+    return f"{model} at {setup.get('url')} ({setup.get('api')} API): {load}, {requests}, {when}"
+
+
+def _load_chart(plt: Any, run: RunOutput, path: Path, title: str) -> None:
     xs = [s.at - run.started for s in run.samples]
     figure, axis = plt.subplots(figsize=(8, 3.8))
     axis.plot(xs, [s.running for s in run.samples], label="running (slots occupied)")
@@ -198,7 +234,7 @@ def _load_chart(plt: Any, run: RunOutput, path: Path) -> None:
         axis.axhline(max(slots), color="grey", linestyle="--", label="slots")
     axis.set_xlabel("seconds since start")
     axis.set_ylabel("requests")
-    axis.set_title("server load over the run")
+    axis.set_title(f"server load over the run\n{title}", fontsize=9)
     axis.grid(alpha=0.3)
     axis.legend()
     figure.tight_layout()

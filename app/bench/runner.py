@@ -7,16 +7,25 @@ the specs are dealt round-robin to forked processes (a Poisson stream split this
 Poisson stream of the same total rate), each with its own event loop and connections; they
 start together at one ``time.monotonic()`` instant and their results are merged. The parent
 polls the server (``Monitor``) and reads ``vllm:generation_tokens_total`` before and after.
+
+Interruption: SIGINT (Ctrl-C) or SIGTERM stops a run early without losing it. Each worker stops
+sending, closes the streams still in flight (the server aborts them) and hands back the requests
+that ended; the run's output is then marked ``partial``. The parent forwards the signal to its
+workers, so a SIGTERM sent to the parent alone also ends them cleanly. A second signal gives up
+at once (``Interrupted``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
+import os
 import queue
 import resource
+import signal
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
@@ -35,6 +44,13 @@ SATURATED = 0.9  # a worker busier than this share of one core may be the bottle
 
 class BenchError(Exception):
     """A run that cannot go on (unreachable server, bad setup); the message is one line."""
+
+
+class Interrupted(Exception):
+    """A second SIGINT/SIGTERM during a run: give up without a report."""
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +78,7 @@ class WorkerOutput:
     cpu_s: float
     wall_s: float
     ended: float  # time.monotonic() when its last request ended
+    interrupted: bool = False  # stopped by a signal: ``results`` holds the requests that ended
 
 
 @dataclass(slots=True)
@@ -77,6 +94,8 @@ class RunOutput:
     started: float = 0.0
     server_tokens: float | None = None
     monitor_error: str | None = None
+    planned: int = 0  # requests the run meant to send (more than ``results`` when partial)
+    partial: bool = False  # interrupted: the figures cover the requests that ended before it
 
     @property
     def saturated(self) -> bool:
@@ -120,30 +139,68 @@ async def run_specs(
     start: float,
     concurrency: int | None,
     progress: Progress | None = None,
+    stop: asyncio.Event | None = None,
 ) -> list[RequestResult]:
     """Send each spec at ``start + send_at`` (later if ``concurrency`` requests are in flight)
-    and return the results in spec order."""
+    and return the results in spec order. Once ``stop`` is set, nothing more is sent, the
+    requests in flight are cancelled (their streams closed) and only those that ended before
+    are returned."""
+    stop = stop or asyncio.Event()
     limit = asyncio.Semaphore(concurrency) if concurrency else None
+    ended: dict[int, RequestResult] = {}
 
-    async def one(spec: RequestSpec) -> RequestResult:
+    async def one(spec: RequestSpec) -> None:
         try:
             result = await send(client, target, spec)
         finally:
             if limit is not None:
                 limit.release()
+        ended[spec.index] = result
         if progress is not None:
             progress(result)
-        return result
 
-    tasks = []
-    for spec in specs:
-        delay = start + spec.send_at - time.monotonic()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        if limit is not None:
-            await limit.acquire()
-        tasks.append(asyncio.create_task(one(spec)))
-    return list(await asyncio.gather(*tasks))
+    async def schedule() -> None:
+        for spec in specs:
+            delay = start + spec.send_at - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if limit is not None:
+                await limit.acquire()
+            tasks.append(asyncio.create_task(one(spec)))
+        await asyncio.gather(*tasks)
+
+    tasks: list[asyncio.Task[None]] = []
+    scheduler = asyncio.create_task(schedule())
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait((scheduler, stopped), return_when=asyncio.FIRST_COMPLETED)
+    for task in (scheduler, stopped, *tasks):
+        task.cancel()
+    await asyncio.gather(scheduler, stopped, *tasks, return_exceptions=True)
+    return [ended[spec.index] for spec in specs if spec.index in ended]
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: asyncio.Event, also: Callable[[], None] | None = None) -> Iterator[None]:
+    """While inside: the first SIGINT/SIGTERM sets ``stop`` (and calls ``also``), a second
+    cancels the running task, which its ``asyncio.run`` reports as ``Interrupted``."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+
+    def on_signal() -> None:
+        if stop.is_set() and task is not None:
+            task.cancel("interrupted twice")
+            return
+        stop.set()
+        if also is not None:
+            also()
+
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        yield
+    finally:
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
 
 
 async def drive(
@@ -155,16 +212,18 @@ async def drive(
     progress: Progress | None,
 ) -> WorkerOutput:
     """One worker: warm up, await ``ready()`` (which returns the common start instant), send
-    ``specs`` and measure its own CPU time meanwhile."""
+    ``specs`` and measure its own CPU time meanwhile. A signal stops it early (module doc)."""
     target = make_target(config)
-    async with make_client(config, concurrency or max(1, len(specs))) as client:
-        if warmup:
-            await run_specs(client, target, warmup, time.monotonic(), concurrency)
-        start = await ready()
-        cpu = time.process_time()
-        results = await run_specs(client, target, specs, start, concurrency, progress)
-        ended = time.monotonic()
-        return WorkerOutput(results, time.process_time() - cpu, ended - start, ended)
+    stop = asyncio.Event()
+    with stop_on_signals(stop):
+        async with make_client(config, concurrency or max(1, len(specs))) as client:
+            if warmup:
+                await run_specs(client, target, warmup, time.monotonic(), concurrency, None, stop)
+            start = await ready()
+            cpu = time.process_time()
+            results = await run_specs(client, target, specs, start, concurrency, progress, stop)
+            ended = time.monotonic()
+    return WorkerOutput(results, time.process_time() - cpu, ended - start, ended, stop.is_set())
 
 
 def run(
@@ -176,9 +235,12 @@ def run(
     """Run ``specs`` as ``config`` says (see the module docstring). Raises ``BenchError``."""
     raise_open_file_limit()
     asyncio.run(check_reachable(config))
-    if config.workers <= 1:
-        return asyncio.run(_run_here(config, specs, warmup, progress))
-    return _run_forked(config, specs, warmup, progress)
+    try:
+        if config.workers <= 1:
+            return asyncio.run(_run_here(config, specs, warmup, progress))
+        return _run_forked(config, specs, warmup, progress)
+    except asyncio.CancelledError:  # the second signal (stop_on_signals)
+        raise Interrupted from None
 
 
 class _Books:
@@ -209,7 +271,7 @@ class _Books:
         if after is not None and self.tokens_before is not None:
             delta = after - self.tokens_before
         return RunOutput(
-            results=[by_index[spec.index] for spec in order],
+            results=[by_index[spec.index] for spec in order if spec.index in by_index],
             duration_s=max(out.ended for out in outputs) - self.started,
             worker_cpu=[out.cpu_s / out.wall_s if out.wall_s > 0 else 0.0 for out in outputs],
             cpu_s=sum(out.cpu_s for out in outputs),
@@ -217,6 +279,8 @@ class _Books:
             started=self.started,
             server_tokens=delta,
             monitor_error=self.monitor.error if self.monitor else None,
+            planned=len(order),
+            partial=any(out.interrupted for out in outputs),
         )
 
 
@@ -286,26 +350,45 @@ async def _parent(
 ) -> RunOutput:
     books = _Books(config)
     ready, outputs = 0, list[WorkerOutput]()
-    while len(outputs) < config.workers:
-        try:
-            kind, payload = await asyncio.to_thread(messages.get, timeout=1.0)
-        except queue.Empty:
-            dead = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
-            if dead:
-                raise BenchError(f"a worker died (exit code {dead[0]})") from None
-            continue
-        if kind == "ready":
-            ready += 1
-            if ready == config.workers:
-                start.value = await books.begin()
-                go.set()
-        elif kind == "done" and progress is not None:
-            progress(payload)
-        elif kind == "output":
-            outputs.append(payload)
-        elif kind == "error":
-            raise BenchError(f"a worker failed: {payload}")
+
+    def forward() -> None:  # a SIGTERM sent to the parent alone reaches the workers too
+        for process in processes:
+            if process.pid is not None and process.exitcode is None:
+                os.kill(process.pid, signal.SIGTERM)
+
+    stop = asyncio.Event()
+    with stop_on_signals(stop, forward):
+        while len(outputs) < config.workers:
+            if stop.is_set() and not books.started:  # nothing measured yet: nothing to report
+                raise Interrupted
+            kind, payload = await _next_message(messages, processes)
+            if kind == "ready":
+                ready += 1
+                if ready == config.workers:
+                    start.value = await books.begin()
+                    go.set()
+            elif kind == "done" and progress is not None:
+                progress(payload)
+            elif kind == "output":
+                outputs.append(payload)
+            elif kind == "error":
+                raise BenchError(f"a worker failed: {payload}")
     return await books.finish(outputs, specs)
+
+
+async def _next_message(
+    messages: Queue[tuple[str, Any]], processes: Sequence[BaseProcess]
+) -> tuple[str, Any]:
+    """The next worker message, or ``("idle", None)`` after a quiet quarter second (so the
+    caller can look at its stop event); ``BenchError`` if a worker died without one."""
+    try:
+        message: tuple[str, Any] = await asyncio.to_thread(messages.get, timeout=0.25)
+        return message
+    except queue.Empty:
+        dead = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+        if dead:
+            raise BenchError(f"a worker died (exit code {dead[0]})") from None
+        return "idle", None
 
 
 def _worker_main(
@@ -319,15 +402,18 @@ def _worker_main(
 ) -> None:
     async def ready() -> float:
         messages.put(("ready", None))
-        await asyncio.to_thread(go.wait)
+        # a process-shared Event: polled, since a thread blocked on it could not be stopped
+        while not go.wait(0):  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
         return float(start.value)
 
     def done(result: RequestResult) -> None:
         messages.put(("done", RequestResult(result.index, result.group, 0, status=result.status)))
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # until drive's handlers take over
     try:
         output = asyncio.run(drive(config, specs, warmup, concurrency, ready, done))
-    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the parent reports it
+    except (KeyboardInterrupt, asyncio.CancelledError):  # a second signal: give up
         return
     except Exception as err:  # reported to the parent, which ends the run in one line
         messages.put(("error", f"{type(err).__name__}: {err}"))
