@@ -14,17 +14,22 @@ from pydantic import ValidationError
 from pydantic_core import PydanticUndefined
 
 from app.config import Settings
+from app.version import version
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="slotserve", description="A continuous-batching LLM inference server."
     )
+    parser.add_argument("--version", action="version", version=f"slotserve {version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
         "serve",
-        help="serve the built-in mock model over HTTP",
-        description="Serve over HTTP. Each flag can also be set as SLOTSERVE_<FLAG> (e.g. "
+        help="serve a model over HTTP: a mock (default; with --profile, a GPU stand-in) or a "
+        "real one (--model smollm2 | hf:PATH)",
+        description="Serve a model over HTTP (native, OpenAI and Anthropic APIs): a mock model "
+        "(the default; --profile makes it keep a GPU's time) or a real one on the CPU (--model "
+        "smollm2 | hf:PATH). Each flag can also be set as SLOTSERVE_<FLAG> (e.g. "
         "SLOTSERVE_NUM_SLOTS=64).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

@@ -21,6 +21,20 @@ from app.serving import Serving
 
 log = logging.getLogger("slotserve.server")
 CLOSE_TIMEOUT = 2  # seconds uvicorn may take to close connections once the drain is done
+PROBE_PATHS = ("/health", "/metrics")  # polled every few seconds: their access lines are DEBUG
+
+
+class ProbesAtDebug(logging.Filter):
+    """Logs uvicorn's access lines for ``PROBE_PATHS`` at DEBUG, so load balancers' health
+    checks and Prometheus' scrapes do not flood an INFO log; other requests are unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        path = args[2] if isinstance(args, tuple) and len(args) > 2 else None
+        if not isinstance(path, str) or path.partition("?")[0] not in PROBE_PATHS:
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
 
 
 class DrainingServer(uvicorn.Server):
@@ -76,4 +90,5 @@ def run(app: FastAPI, host: str, port: int, log_level: str) -> None:
         timeout_graceful_shutdown=CLOSE_TIMEOUT,
         timeout_keep_alive=5,
     )
+    logging.getLogger("uvicorn.access").addFilter(ProbesAtDebug())  # after uvicorn's logging setup
     DrainingServer(config, serving).run()

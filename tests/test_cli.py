@@ -3,9 +3,12 @@ refused with a usage error naming both, not a traceback."""
 
 from __future__ import annotations
 
+import importlib.metadata
 from pathlib import Path
 
+import httpx
 import pytest
+from server_process import running_server
 
 from app.cli import parse
 from app.config import Settings
@@ -66,3 +69,25 @@ def test_the_readme_documents_every_flag() -> None:
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     missing = [n for n in Settings.model_fields if f"`--{n.replace('_', '-')}`" not in readme]
     assert missing == []
+
+
+def test_version_is_the_installed_packages(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"slotserve {importlib.metadata.version('slotserve')}"
+
+
+def test_probe_requests_are_logged_at_debug_and_others_at_info(tmp_path: Path) -> None:
+    """Health checks and scrapes come every few seconds: at INFO they would drown the log."""
+    log = tmp_path / "server.log"
+    with log.open("wb") as sink, running_server("--log-level", "info", stderr=sink) as server:
+        httpx.get(f"{server.url}/health")
+        httpx.get(f"{server.url}/metrics")
+        httpx.get(f"{server.url}/v1/models")
+    text = log.read_text()
+    assert '"GET /v1/models HTTP/1.1" 200' in text
+    assert "GET /health" not in text and "GET /metrics" not in text
+    with log.open("wb") as sink, running_server("--log-level", "debug", stderr=sink) as server:
+        httpx.get(f"{server.url}/metrics")
+    assert "GET /metrics" in log.read_text()

@@ -22,6 +22,7 @@ from app.api.streaming import ClientGone, hide_cut_off_responses
 from app.config import Settings
 from app.models.protocol import Model
 from app.serving import Serving
+from app.version import version
 
 
 def create_app(settings: Settings | None = None, model: Model | None = None) -> FastAPI:
@@ -42,7 +43,7 @@ def create_app(settings: Settings | None = None, model: Model | None = None) -> 
 
     app = FastAPI(
         title="slotserve",
-        version="0.1.0",
+        version=version(),
         summary="Continuous-batching LLM inference server",
         lifespan=lifespan,
     )
