@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -160,6 +161,15 @@ class RankedMetrics(Collector):
         yield from merged.values()
 
 
+@dataclass(slots=True)
+class StepTotals:
+    """Model calls, their seconds and the tokens they generated since start (for rates)."""
+
+    steps: int = 0
+    step_seconds: float = 0.0
+    generated: int = 0
+
+
 def ranked_registry(ranks: Seq[EngineMetrics]) -> CollectorRegistry:
     """One registry exporting every rank's metrics (``RankedMetrics``)."""
     registry = CollectorRegistry(auto_describe=False)
@@ -247,6 +257,7 @@ class EngineMetrics:
         )
         reg.register(self.itl)
         self._last_step_end: float | None = None
+        self.totals = StepTotals()  # plain running sums for views that compute rates
         self._step_duration = self.step_duration.labels(model_name)
         self._prompt_tokens = self.prompt_tokens.labels(model_name)
         self._generation_tokens = self.generation_tokens.labels(model_name)
@@ -297,6 +308,8 @@ class EngineMetrics:
         requests that got a token (each continues from the previous step)."""
         out, ended = outcome.output, outcome.ended_at
         self._step_duration.observe(ended - out.started_at)
+        self.totals.steps += 1
+        self.totals.step_seconds += ended - out.started_at
         if out.admitted:
             self._prompt_tokens.inc(sum(seq.prompt_len for seq in out.admitted))
         if out.preempted:
@@ -309,6 +322,7 @@ class EngineMetrics:
             self._last_step_end = None
             return
         self._generation_tokens.inc(outcome.num_generated)
+        self.totals.generated += outcome.num_generated
         if self._last_step_end is not None:
             self.itl.observe(ended - self._last_step_end, outcome.num_decode_generated)
         running = len(out.decode_seqs) + len(out.prefill_seqs) > len(outcome.finished)

@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from sse_starlette.sse import AppStatus
 
-from app.api import admin, lora, native, openai_compat, sleep, tokenize
+from app.api import admin, dashboard, lora, native, openai_compat, sleep, tokenize
 from app.api.adapters import anthropic, responses
 from app.api.adapters.anthropic_errors import AnthropicErrors
 from app.api.adapters.responses_store import ResponseStore
@@ -57,6 +57,7 @@ def create_app(settings: Settings | None = None, model: Model | None = None) -> 
     app.include_router(native.router)
     app.include_router(openai_compat.router)
     app.include_router(admin.router)
+    app.include_router(dashboard.router)
     app.include_router(tokenize.router)
     app.include_router(anthropic.router)
     app.include_router(responses.router)

@@ -208,6 +208,12 @@ def invalid_api_key() -> APIError:
                     headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
 
 
+def too_many_watchers(limit: int) -> APIError:
+    """503 for a dashboard stream past the open streams' bound (one may close: retry)."""
+    return APIError(503, f"at most {limit} dashboards may watch at once", "service_unavailable",
+                    code="too_many_watchers", headers={"Retry-After": RETRY_AFTER})  # fmt: skip
+
+
 def invalid_request(err: InvalidRequestError) -> APIError:
     """400 for a request the model cannot take (``app.serving`` says why and which field)."""
     return APIError(400, str(err), param=err.param, code=err.code)

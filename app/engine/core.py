@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any, Protocol
 
 from app.engine.errors import DuplicateRequestError, QueueFullError
@@ -17,6 +18,7 @@ from app.engine.policies import FCFS, PolicyConfig
 from app.engine.prefix_cache import CacheEvent
 from app.engine.runner import ModelRunner
 from app.engine.scheduler import BatchingPolicy, Scheduler, SchedulerConfig
+from app.engine.snapshot import WAITING_SHOWN, EngineSnapshot, SlotView
 from app.engine.step import ModelOutput, SchedulerOutput, StepOutcome
 from app.engine.step_clock import NO_STEP_TIME, StepCosts
 from app.engine.stream import RequestStream
@@ -66,6 +68,14 @@ class EngineConfig:
             max_loras=self.max_loras,
             share_prompts=self.share_prompts,
         )
+
+
+def _slot_view(seq: Sequence | None) -> SlotView | None:
+    if seq is None:
+        return None
+    return SlotView(
+        seq.request_id, seq.prefilling, seq.num_generated, seq.max_tokens, seq.num_preemptions
+    )
 
 
 class EngineObserver(Protocol):
@@ -123,6 +133,15 @@ class EngineCore:
         """Live requests without a slot: queued, or submitted and not yet taken from the inbox
         (so an abort not yet applied still counts)."""
         return len(self.live) - self.scheduler.slots.occupied
+
+    def snapshot(self) -> EngineSnapshot:
+        """The slot table, the head of the queue and the KV usage now (app/engine/snapshot.py)."""
+        scheduler = self.scheduler
+        table = scheduler.slots
+        slots = tuple(_slot_view(table.get(index)) for index in range(table.capacity))
+        waiting = tuple(seq.request_id for seq in islice(scheduler.waiting, WAITING_SHOWN))
+        usage = scheduler.books.usage(table.running())
+        return EngineSnapshot(slots, table.out_of_service, waiting, self.num_waiting, usage)
 
     def has_room(self) -> bool:
         """Whether ``register`` would take one more request (slots + ``max_waiting``). A
