@@ -10,7 +10,7 @@ HOST ?=
 PORT ?=
 ARGS ?=
 
-.PHONY: serve test lint typecheck unit bench clean
+.PHONY: serve test test-fast about-test services lint typecheck unit bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,20 @@ serve: $(STAMP) $(if $(REAL_MODEL),$(TORCH_STAMP))  ## serve the mock, or MODEL=
 	$(BIN)/slotserve serve $(if $(MODEL),--model $(MODEL)) $(if $(HOST),--host $(HOST)) \
 		$(if $(PORT),--port $(PORT)) $(ARGS)
 
-test: $(TORCH_STAMP) lint typecheck unit  ## ruff, mypy and the whole pytest suite (real models too)
+test: about-test $(TORCH_STAMP) services lint typecheck unit  ## ruff, mypy and the whole suite
+
+# Said before anything is installed, so nobody wonders what a first run is doing.
+about-test:
+	@echo "make test: ruff, mypy and the whole pytest suite (about 10 minutes on 2 cores)."
+	@test -f $(TORCH_STAMP) || echo "  first run: installs .venv with the torch extra (a ~2.4 GB CPU build; a few minutes)"
+
+# nginx, Prometheus and Chromium for the tests that start them (as root with apt; else named).
+services:
+	@bash .ci/install-test-services
+
+# The tests that need no torch and no real model, in about 2 minutes (no torch install).
+test-fast: $(STAMP)
+	$(BIN)/pytest --mock-only
 
 lint: $(TORCH_STAMP)
 	$(BIN)/ruff check app tests benchmarks docker

@@ -107,3 +107,11 @@ def _wait_loaded(page: Page) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("the page did not load")
         time.sleep(0.05)
+
+
+if __name__ == "__main__":  # python tests/browser.py URL OUT.png [SECONDS]: a screenshot
+    import sys
+
+    with open_page(sys.argv[1]) as page:
+        time.sleep(float(sys.argv[3]) if len(sys.argv) > 3 else 0.0)
+        page.screenshot(Path(sys.argv[2]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,6 +17,38 @@ from app.models.protocol import Model
 from app.serving import Serving
 
 ClientFactory = Callable[..., AbstractAsyncContextManager[httpx.AsyncClient]]
+
+# Modules that need torch as soon as they are imported (a real model in every test). Tests of a
+# real model elsewhere carry the ``real_model`` mark. ``pytest --mock-only`` (``make test-fast``)
+# leaves both out, so it runs where torch is not installed.
+REAL_MODEL_MODULES = frozenset({
+    "test_hf_deploy.py", "test_hf_dtype.py", "test_hf_logits_processors.py", "test_hf_model.py",
+    "test_hf_quantization.py", "test_hf_sampling.py", "test_hf_serving.py", "test_hf_smollm2.py",
+    "test_hf_text.py", "test_lm_eval.py", "test_tools_hf.py",
+})  # fmt: skip
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--mock-only",
+        action="store_true",
+        help="only the tests that need no torch and no real model (make test-fast)",
+    )
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if config.getoption("mock_only") and collection_path.name in REAL_MODEL_MODULES:
+        return True
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("mock_only"):
+        return
+    real = [item for item in items if item.get_closest_marker("real_model")]
+    if real:
+        config.hook.pytest_deselected(items=real)
+        items[:] = [item for item in items if not item.get_closest_marker("real_model")]
 
 
 @asynccontextmanager

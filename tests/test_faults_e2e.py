@@ -85,14 +85,14 @@ async def test_the_openai_client_sees_a_broken_stream_as_an_error_after_the_toke
     await client.close()
 
 
-NO_RETRY = "sed 's/ http_429 http_503//'"  # README: how to let injected 429/503 through nginx
+NO_RETRY = "sed 's/ http_429 http_503//'"  # docs/operations.md: let injected 429/503 through
 
 
 @pytest.mark.skipif(NGINX is None, reason="no nginx binary found")
-def test_nginx_hides_injected_429s_unless_the_readme_turns_its_retries_off(
+def test_nginx_hides_injected_429s_unless_the_docs_turn_its_retries_off(
     tmp_path: Path,
 ) -> None:
-    assert NO_RETRY in (REPO / "README.md").read_text()
+    assert NO_RETRY in (REPO / "docs" / "operations.md").read_text()
     injecting = ("--failure-rate", "1", "--failure-types", "rate_limit")
     with ExitStack() as stack:
         replicas = Replica(tmp_path, "faulty", *injecting), Replica(tmp_path, "clean")

@@ -11,9 +11,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import ClientFactory, serving_of
-from hf_tiny import save_tiny_model, save_tokenizer
 
 from app.engine.policies import PolicyConfig, PolicyName
 from app.engine.scheduler import Scheduler, SchedulerConfig
@@ -165,13 +163,18 @@ def test_with_the_prefix_cache_a_fork_references_the_first_choices_blocks() -> N
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from hf_tiny import save_tiny_model, save_tokenizer
+
     folder = tmp_path_factory.mktemp("tiny-forks")
     save_tokenizer(folder)
     save_tiny_model(folder)
     return folder
 
 
+@pytest.mark.real_model
 def test_a_fork_on_the_real_model_computes_what_a_full_prefill_computes(tiny: Path) -> None:
+    import torch
+
     loaded = load_model(f"hf:{tiny}", dtype="float32", num_slots=3, max_model_len=32,
                         kv_cache_memory=1 << 20)  # fmt: skip
     model, greedy = loaded.model, SamplingParams()

@@ -189,6 +189,7 @@ def test_closing_a_stream_frees_its_slot_on_both_routes(one_slow_slot: ServerPro
             assert http.post(path, json=short, timeout=5).status_code == 200
 
 
+@pytest.mark.real_model
 def test_hf_smollm2_answers_through_messages_responses_and_an_agent() -> None:
     from hf_smollm2 import smollm2_cache_dir
     from test_hf_serving import loading_server

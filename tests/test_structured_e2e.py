@@ -123,6 +123,7 @@ class City(BaseModel):
     country: str
 
 
+@pytest.mark.real_model
 def test_the_sdk_parses_a_smollm2_reply_into_a_pydantic_model() -> None:
     flags = ["--model", "smollm2", "--model-cache-dir", str(smollm2_cache_dir())]
     flags += ["--num-slots", "2", "--max-model-len", "512"]
