@@ -121,7 +121,7 @@ def test_the_learning_examples_run() -> None:
     section = sections()["Learning continuous batching"]
     generated, bench = run_section(section)
     assert [line.split()[0] for line in generated.splitlines()] == ["a", "b"]
-    assert "requests completed" in bench and "200" in bench
+    assert "requests completed" in bench and "100" in bench
 
 
 @pytest.mark.real_model
