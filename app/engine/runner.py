@@ -216,9 +216,9 @@ class CachedRunner:
 
 def has_constraints(rows: ConstrainedRows, out: SchedulerOutput) -> bool:
     """Whether a request of ``out`` has a grammar (its work may take long: see ``Engine``)."""
-    return bool(rows.rows(out.decode_seqs, [])) or any(
-        seq.constraint is not None for seq in out.prefill_seqs
-    )
+    if rows.rows(out.decode_seqs, []):  # (cached while the decode list is unchanged)
+        return True
+    return bool(out.prefill_seqs) and any(seq.constraint is not None for seq in out.prefill_seqs)
 
 
 class ConstrainedRows:
