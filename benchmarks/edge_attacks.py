@@ -14,7 +14,8 @@ Issue 27 (``--only grammar`` runs these alone):
    work per token grows with every token) at ``--mock-step-ms 5``: one request alone (the
    server's CPU seconds until it ends), then 4 streams x 2,000 tokens (how each ends, the
    server's CPU seconds for the 4, a plain 20-token /generate sent meanwhile), then 4 such
-   streams whose clients disconnect after 50 tokens (seconds until every slot is free). /health
+   streams whose clients disconnect after 300 tokens, when each token costs milliseconds (or
+   after a 10 s stall), and the seconds until every slot is free. /health
    is sampled every ~50 ms throughout (p99 and max; a probe times out at 5 s). Each part gives
    up after 90 s (main's requests run for minutes).
 
@@ -155,6 +156,7 @@ def slowloris(root: Path) -> None:
 ATTACK_GRAMMAR = 'start: x "!"\nx: x x | /[^!]/'
 ATTACK_TIMEOUT = 90.0  # seconds each part of the grammar attack may take
 PROBE_TIMEOUT = 5.0  # seconds a /health probe waits
+LEAVE_STALL = 10.0  # seconds without an event after which a leaving client leaves anyway
 
 
 class HealthProbe(threading.Thread):
@@ -195,15 +197,16 @@ def cpu_seconds(pid: int) -> float:
 
 def attack_stream(port: int, tokens: int, results: list[str], leave_after: int = 0) -> None:
     """One streamed completion under the attack grammar; appends how it ended: its error code,
-    ``finished``, ``left`` (the client disconnected after ``leave_after`` events) or
-    ``timeout``."""
+    ``finished``, ``left`` (the client disconnected after ``leave_after`` events, or after
+    ``LEAVE_STALL`` seconds without one) or ``timeout``."""
     body = {"model": "slotserve-mock", "prompt": "hi", "max_tokens": tokens, "stream": True,
             "structured_outputs": {"grammar": ATTACK_GRAMMAR}}  # fmt: skip
-    start, events, outcome = time.monotonic(), 0, "timeout"
+    start, events, outcome = time.monotonic(), 0, "left" if leave_after else "timeout"
+    timeout = LEAVE_STALL if leave_after else ATTACK_TIMEOUT
     with (
         contextlib.suppress(httpx.HTTPError),
         httpx.stream(
-            "POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=ATTACK_TIMEOUT
+            "POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=timeout
         ) as response,
     ):
         for line in response.iter_lines():
@@ -215,11 +218,10 @@ def attack_stream(port: int, tokens: int, results: list[str], leave_after: int =
                 break
             events += line.startswith("data: ")
             if leave_after and events >= leave_after:
-                outcome = "left"
                 break
             if time.monotonic() - start > ATTACK_TIMEOUT:
                 break
-    results.append(f"{outcome} after {time.monotonic() - start:.1f} s")
+    results.append(f"{outcome} after {events} events, {time.monotonic() - start:.1f} s")
 
 
 def run_streams(port: int, count: int, tokens: int, leave_after: int = 0) -> list[str]:
@@ -277,13 +279,13 @@ def grammar_attack(root: Path) -> None:
     with server(root, *flags) as (_pid, port):
         probe = HealthProbe(port)
         probe.start()
-        left = run_streams(port, 4, 2000, leave_after=50)
+        left = run_streams(port, 4, 2000, leave_after=300)
         gone, busy = time.monotonic(), busy_slots(port)
         while busy != 0 and time.monotonic() - gone < ATTACK_TIMEOUT:
             time.sleep(0.02)  # another process frees them: nothing to await
             busy = busy_slots(port)
         freed = f"{time.monotonic() - gone:.2f} s" if busy == 0 else f"> {ATTACK_TIMEOUT:.0f} s"
-        print(f"4c. grammar attack, 4 streams left after 50 events ({'; '.join(sorted(left))}): "
+        print(f"4c. grammar attack, 4 streams that leave after 300 events ({'; '.join(left)}): "
               f"every slot free {freed} after the last client left; {probe.report()}")  # fmt: skip
 
 

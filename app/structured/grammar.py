@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from time import perf_counter_ns, thread_time_ns
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -110,6 +110,7 @@ class GrammarMatcher:
         "_eos",
         "_exceeded",
         "_forced_bytes",
+        "_heavy_ns",
         "_matcher",
         "_number",
         "_pending",
@@ -149,6 +150,8 @@ class GrammarMatcher:
         # the budget in ns (0: none), per token and per request
         self._token_ns = int(budget.per_token_ms * 1e6)
         self._request_ns = int(budget.per_request_ms * 1e6)
+        # a token whose work took this long has the next one's timed (never without a budget)
+        self._heavy_ns = HEAVY_NS if self._token_ns or self._request_ns else 1 << 62
         self._timed = False  # the current token's work is timed in thread CPU time
         self._cost_ns = 0  # the current token's work so far (wall time unless timed)
         self._spent_ns = 0  # the CPU time of the timed tokens' work
@@ -193,7 +196,7 @@ class GrammarMatcher:
             if not taken or self._exceeded is not None:
                 return False
         # the next token's work is timed in CPU time if this one's was expensive
-        self._timed = self._cost_ns >= HEAVY_NS and bool(self._token_ns or self._request_ns)
+        self._timed = self._cost_ns >= self._heavy_ns
         self._cost_ns = 0
         self._run = 0 if token in self._structural else self._run + 1
         if not self._ahead:  # (a forced run still ahead: the grammar goes on)
@@ -223,17 +226,17 @@ class GrammarMatcher:
         deterministic rotation (so a cycle of preferences cannot last). It steers toward
         completing the structure. (A token the grammar forces is the only allowed one: every
         rule above returns it.)"""
+        if self._ahead and self._pending == NONE:  # a forced token: no parser call, untimed
+            return self._offer(preferred)
         start = self._start()
         token = self._choose(preferred)
         self._charge(start)
         return token
 
     def _choose(self, preferred: int) -> int:
-        """``choose``, untimed."""
+        """``choose`` but for a forced token ahead, untimed."""
         if self._pending != NONE:
-            self._settle()  # the pending token was dropped
-        elif self._ahead:
-            return self._offer(preferred)
+            self._settle()  # the pending token was dropped (and the forced run after it)
         looked = self._steered > 0 and self._forced_bytes  # after a refusal, a forced run
         if looked and self._consume_forced():  # often follows: look first (a try saved)
             return self._offer(preferred)
@@ -320,16 +323,16 @@ class GrammarMatcher:
 
     def _start(self) -> int:
         """A clock reading before some work: thread CPU time if this token is timed in it."""
-        return time.thread_time_ns() if self._timed else time.perf_counter_ns()
+        return thread_time_ns() if self._timed else perf_counter_ns()
 
     def _charge(self, start: int) -> None:
         """Count the work since ``start`` (a ``_start`` reading) against the budget; past it,
         give up on the grammar (``_exceeded``: ``accept`` refuses the token, ``refusal`` says
         why)."""
         if not self._timed:
-            self._cost_ns += time.perf_counter_ns() - start
+            self._cost_ns += perf_counter_ns() - start
             return
-        cost = time.thread_time_ns() - start
+        cost = thread_time_ns() - start
         self._cost_ns += cost
         self._spent_ns += cost
         if self._exceeded is not None:
