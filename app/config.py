@@ -227,6 +227,18 @@ class Settings(BaseSettings):
     api_keys_file: Path | None = Field(None, description="file of NAME:KEY lines (# comments)")
     shutdown_grace: float = Field(10.0, ge=0, description="seconds in-flight streams may finish")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="request body limit; past it: 413")
+    # the grammar budget (structured outputs): CPU time a request's grammar work may take
+    max_grammar_ms_per_token: float = Field(
+        20.0,
+        ge=0,
+        description="grammar CPU ms one token may take; past it: invalid_grammar (0: off)",
+    )
+    max_grammar_ms_per_request: float = Field(
+        1000.0,
+        ge=0,
+        description="grammar CPU ms a request's expensive tokens (1 ms or more) may take in all; "
+        "past it: invalid_grammar (0: off)",
+    )
     max_header_bytes: int = Field(
         32 * 1024, ge=1024, le=1 << 20, description="request line + headers limit; past it: 431"
     )

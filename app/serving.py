@@ -39,7 +39,7 @@ from app.models.mock_language import MockLanguage
 from app.models.protocol import DEFAULT_SAMPLING, Model, SamplingParams
 from app.models.tokenizer import ByteTokenizer, Tokenizer
 from app.structured.constraint import Constraint, ConstraintError
-from app.structured.grammar import GrammarCompiler
+from app.structured.grammar import GrammarBudget, GrammarCompiler
 
 if TYPE_CHECKING:
     from app.kv_events.publisher import KVEventPublisher
@@ -180,6 +180,11 @@ def engine_config(settings: Settings) -> EngineConfig:
     )
 
 
+def grammar_budget(settings: Settings) -> GrammarBudget:
+    """The CPU time a request's grammar work may take (``--max-grammar-ms-per-*``)."""
+    return GrammarBudget(settings.max_grammar_ms_per_token, settings.max_grammar_ms_per_request)
+
+
 def kv_event_publisher(settings: Settings, rank: int = 0) -> KVEventPublisher | None:
     """The KV-event publisher ``--kv-events-endpoint`` asks for (None: off); its sockets are
     open on return (``KVEventsError`` if they cannot be)."""
@@ -269,7 +274,7 @@ class Serving:
     ) -> None:
         self.model = model
         self._tokenizer = tokenizer
-        self._grammars = grammars or GrammarCompiler(tokenizer)
+        self._grammars = grammars or GrammarCompiler(tokenizer, grammar_budget(self.settings))
         config = engine_config(self.settings)
         for rank, metrics in enumerate(self.rank_metrics):
             rank_model = model if rank == 0 else build_model(self.settings)
@@ -381,7 +386,8 @@ class Serving:
             return
         self.settings = sized(self.settings, loaded)
         try:  # the grammar engine's vocabulary: ~1 s for a 49k vocabulary, off the event loop
-            grammars = await asyncio.to_thread(GrammarCompiler, loaded.tokenizer)
+            budget = grammar_budget(self.settings)
+            grammars = await asyncio.to_thread(GrammarCompiler, loaded.tokenizer, budget)
         except Exception as exc:
             self.load_error = f"the grammar engine cannot read the tokenizer: {exc!r}"
             log.exception("model %s not loaded", self.settings.model)

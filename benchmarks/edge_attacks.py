@@ -8,8 +8,20 @@
 3. slowloris: 300 connections that never finish their headers, the server's file limit
    lowered to 256: does /health still answer.
 
-Run: python benchmarks/edge_attacks.py [--root DIR]   (DIR: a checkout to measure, default
-this one; e.g. --root ../main for the code before the fixes). Only 127.0.0.1 is used.
+Issue 27 (``--only grammar`` runs these alone):
+
+4. grammar attack: ``structured_outputs.grammar`` ``start: x "!"`` / ``x: x x | /[^!]/`` (its
+   work per token grows with every token) at ``--mock-step-ms 5``: one request alone (the
+   server's CPU seconds until it ends), then 4 streams x 2,000 tokens (how each ends, the
+   server's CPU seconds for the 4, a plain 20-token /generate sent meanwhile), then 4 such
+   streams whose clients disconnect after 300 tokens, when each token costs milliseconds (or
+   after a 10 s stall), and the seconds until every slot is free. /health
+   is sampled every ~50 ms throughout (p99 and max; a probe times out at 5 s). Each part gives
+   up after 90 s (main's requests run for minutes).
+
+Run: python benchmarks/edge_attacks.py [--root DIR] [--only grammar]   (DIR: a checkout to
+measure, default this one; e.g. --root ../main for the code before the fixes). Only 127.0.0.1
+is used.
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ import resource
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -138,16 +151,157 @@ def slowloris(root: Path) -> None:
               f"server fds {fds}")  # fmt: skip
 
 
+# --- issue 27: the grammar attack -----------------------------------------------------------
+
+ATTACK_GRAMMAR = 'start: x "!"\nx: x x | /[^!]/'
+ATTACK_TIMEOUT = 90.0  # seconds each part of the grammar attack may take
+PROBE_TIMEOUT = 5.0  # seconds a /health probe waits
+LEAVE_STALL = 10.0  # seconds without an event after which a leaving client leaves anyway
+
+
+class HealthProbe(threading.Thread):
+    """Samples /health every ~50 ms until stopped; ``latencies`` in seconds (a probe that timed
+    out counts as ``PROBE_TIMEOUT``)."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__(daemon=True)
+        self.url = f"http://127.0.0.1:{port}/health"
+        self.latencies: list[float] = []
+        self.timeouts = 0
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(timeout=PROBE_TIMEOUT) as client:
+            while not self._halt.wait(0.05):
+                start = time.monotonic()
+                try:
+                    client.get(self.url)
+                except httpx.TransportError:
+                    self.timeouts += 1
+                self.latencies.append(time.monotonic() - start)
+
+    def report(self) -> str:
+        self._halt.set()
+        self.join()
+        ordered = sorted(self.latencies)
+        p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+        return (f"/health p99 {p99 * 1e3:.0f} ms, max {ordered[-1] * 1e3:.0f} ms over "
+                f"{len(ordered)} probes ({self.timeouts} timed out at {PROBE_TIMEOUT:.0f} s)")  # fmt: skip
+
+
+def cpu_seconds(pid: int) -> float:
+    """The process's user + system CPU seconds so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def attack_stream(port: int, tokens: int, results: list[str], leave_after: int = 0) -> None:
+    """One streamed completion under the attack grammar; appends how it ended: its error code,
+    ``finished``, ``left`` (the client disconnected after ``leave_after`` events, or after
+    ``LEAVE_STALL`` seconds without one) or ``timeout``."""
+    body = {"model": "slotserve-mock", "prompt": "hi", "max_tokens": tokens, "stream": True,
+            "structured_outputs": {"grammar": ATTACK_GRAMMAR}}  # fmt: skip
+    start, events, outcome = time.monotonic(), 0, "left" if leave_after else "timeout"
+    timeout = LEAVE_STALL if leave_after else ATTACK_TIMEOUT
+    with (
+        contextlib.suppress(httpx.HTTPError),
+        httpx.stream(
+            "POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=timeout
+        ) as response,
+    ):
+        for line in response.iter_lines():
+            if line.startswith("data: {") and '"error"' in line:
+                outcome = json.loads(line[6:])["error"].get("code") or "error"
+                break
+            if line == "data: [DONE]":
+                outcome = "finished"
+                break
+            events += line.startswith("data: ")
+            if leave_after and events >= leave_after:
+                break
+            if time.monotonic() - start > ATTACK_TIMEOUT:
+                break
+    results.append(f"{outcome} after {events} events, {time.monotonic() - start:.1f} s")
+
+
+def run_streams(port: int, count: int, tokens: int, leave_after: int = 0) -> list[str]:
+    results: list[str] = []
+    threads = [threading.Thread(target=attack_stream, args=(port, tokens, results, leave_after))
+               for _ in range(count)]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def busy_slots(port: int) -> int | None:
+    """Slots processing a request (None: /slots did not answer in time)."""
+    with contextlib.suppress(httpx.HTTPError):
+        slots = httpx.get(f"http://127.0.0.1:{port}/slots", timeout=PROBE_TIMEOUT).json()["slots"]
+        return sum(bool(slot["is_processing"]) for slot in slots)
+    return None
+
+
+def grammar_attack(root: Path) -> None:
+    flags = ("--mock-step-ms", "5")
+    with server(root, *flags) as (pid, port):
+        probe = HealthProbe(port)
+        probe.start()
+        before = cpu_seconds(pid)
+        alone = run_streams(port, 1, 2000)
+        print(f"4a. grammar attack, 1 stream x 2,000 tokens: {alone[0]}, server CPU "
+              f"{cpu_seconds(pid) - before:.2f} s; {probe.report()}")  # fmt: skip
+    with server(root, *flags) as (pid, port):
+        probe = HealthProbe(port)
+        probe.start()
+        before, plain = cpu_seconds(pid), ""
+
+        def send_plain() -> None:
+            nonlocal plain
+            time.sleep(1.0)  # into the attack
+            start = time.monotonic()
+            try:
+                body = {"prompt": "y", "max_tokens": 20, "stream": False}
+                status = httpx.post(f"http://127.0.0.1:{port}/generate", json=body,
+                                    timeout=ATTACK_TIMEOUT).status_code  # fmt: skip
+                plain = f"{status} after {time.monotonic() - start:.2f} s"
+            except httpx.HTTPError as err:
+                plain = f"{type(err).__name__} after {time.monotonic() - start:.1f} s"
+
+        sender = threading.Thread(target=send_plain)
+        sender.start()
+        ends = run_streams(port, 4, 2000)
+        sender.join()
+        print(f"4b. grammar attack, 4 streams x 2,000 tokens: {'; '.join(sorted(ends))}; server "
+              f"CPU {cpu_seconds(pid) - before:.2f} s for the 4; a plain /generate sent 1 s in: "
+              f"{plain}; {probe.report()}")  # fmt: skip
+    with server(root, *flags) as (_pid, port):
+        probe = HealthProbe(port)
+        probe.start()
+        left = run_streams(port, 4, 2000, leave_after=300)
+        gone, busy = time.monotonic(), busy_slots(port)
+        while busy != 0 and time.monotonic() - gone < ATTACK_TIMEOUT:
+            time.sleep(0.02)  # another process frees them: nothing to await
+            busy = busy_slots(port)
+        freed = f"{time.monotonic() - gone:.2f} s" if busy == 0 else f"> {ATTACK_TIMEOUT:.0f} s"
+        print(f"4c. grammar attack, 4 streams that leave after 300 events ({'; '.join(left)}): "
+              f"every slot free {freed} after the last client left; {probe.report()}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--root", type=Path, default=ROOT, help="checkout to measure")
+    parser.add_argument("--only", choices=["grammar"], help="run only these attacks")
     args = parser.parse_args()
     print(f"measuring {args.root.resolve()}")
-    header_bomb(args.root)
-    non_readers(args.root)
-    slowloris(args.root)
+    if args.only is None:
+        header_bomb(args.root)
+        non_readers(args.root)
+        slowloris(args.root)
+    grammar_attack(args.root)
 
 
 if __name__ == "__main__":

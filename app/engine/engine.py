@@ -97,6 +97,7 @@ class Engine:
         self._idle = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._worker: ModelWorker | None = None
+        self._grammar_worker: ModelWorker | None = None  # a quick model's constrained steps
         self.draining = False
         self.death: BaseException | None = None
         self._stopping: asyncio.Task[None] | None = None
@@ -186,8 +187,9 @@ class Engine:
             except TimeoutError:
                 log.error("the model's slot release did not return in %.1f s: abandoned",
                           call_timeout)  # fmt: skip
-        if self._worker is not None:
-            self._worker.shutdown()
+        for worker in (self._worker, self._grammar_worker):
+            if worker is not None:
+                worker.shutdown()
         self._idle.set()
 
     async def _run(self) -> None:
@@ -271,11 +273,19 @@ class Engine:
 
     async def _execute(self, out: SchedulerOutput) -> ModelOutput:
         """The model call, then the rest of the step clock's time on the event loop (a sleep
-        that nothing has to wait for: streams, submits and aborts run meanwhile)."""
-        if self._worker is None:
-            result = self.core.runner.execute(out)
+        that nothing has to wait for: streams, submits and aborts run meanwhile). A step with
+        grammar work runs in a worker thread even for a model whose calls are quick (the
+        mocks): a client's grammar may cost milliseconds a token (bounded by the grammar
+        budget), which must not stall the event loop."""
+        runner = self.core.runner
+        if self._worker is not None:
+            result = await self._worker.run(runner.execute, out)
+        elif runner.constrained(out):
+            if self._grammar_worker is None:
+                self._grammar_worker = ModelWorker("slotserve-grammar")
+            result = await self._grammar_worker.run(runner.execute, out)
         else:
-            result = await self._worker.run(self.core.runner.execute, out)
+            result = runner.execute(out)
         if self.clock.enabled:
             prefill, decode = out.num_prefill_tokens, out.num_decode_tokens
             deadline = self.clock.paced_deadline(

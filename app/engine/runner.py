@@ -41,6 +41,10 @@ class ModelRunner(Protocol):
         """Retry the slot resets that failed; return the slots still unavailable."""
         ...
 
+    def constrained(self, out: SchedulerOutput) -> bool:
+        """Whether ``execute(out)`` does grammar work (a request of ``out`` has a grammar)."""
+        ...
+
 
 class StatelessRunner:
     """Feeds the full token list (prompt + generated, never copied) of every request that
@@ -86,6 +90,9 @@ class StatelessRunner:
 
     def retry_resets(self) -> frozenset[int]:
         return frozenset()  # a stateless model has no cache to reset
+
+    def constrained(self, out: SchedulerOutput) -> bool:
+        return has_constraints(self._constrained, out)
 
     def _inputs_for(self, decodes: list[Sequence]) -> list[list[int]]:
         if decodes is not self._decodes:
@@ -160,6 +167,9 @@ class CachedRunner:
         output = model_output(step(batch), batch.num_outputs, frozenset(self._dirty))
         if masks:
             checked_masked(output.tokens, masks)
+            for index, seq in rows:  # the parser's step too, here rather than on the loop
+                if seq.constraint is not None and output.tokens[index] != NO_TOKEN:
+                    seq.constraint.advance(output.tokens[index])
         elif rows:
             output = _obeyed_output(output, rows)
         return output
@@ -172,6 +182,9 @@ class CachedRunner:
         for slot in list(self._dirty):
             self._release(slot)
         return frozenset(self._dirty)
+
+    def constrained(self, out: SchedulerOutput) -> bool:
+        return has_constraints(self._constrained, out)
 
     def _columns_for(
         self, decodes: list[Sequence]
@@ -199,6 +212,13 @@ class CachedRunner:
         if self._dirty:
             self._dirty.discard(slot)
             log.info("slot %d was reset and is back in service", slot)
+
+
+def has_constraints(rows: ConstrainedRows, out: SchedulerOutput) -> bool:
+    """Whether a request of ``out`` has a grammar (its work may take long: see ``Engine``)."""
+    if rows.rows(out.decode_seqs, []):  # (cached while the decode list is unchanged)
+        return True
+    return bool(out.prefill_seqs) and any(seq.constraint is not None for seq in out.prefill_seqs)
 
 
 class ConstrainedRows:

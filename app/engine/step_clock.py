@@ -94,10 +94,14 @@ async def sleep_until(deadline: float, clock: Callable[[], float] = time.monoton
     asyncio's timers round a wait up to the next millisecond (epoll counts milliseconds), which
     would add half a millisecond to every step on average: 10% of a 5 ms step. So it sleeps
     until just before the deadline and yields to other tasks for the rest, which keeps streams,
-    submits and aborts running meanwhile.
+    submits and aborts running meanwhile. It yields at least once, also when the deadline has
+    passed (a step that overran it): the event loop serves its other tasks and connections
+    between any two steps.
     """
     remaining = deadline - clock()
     if remaining > TIMER_SLACK:
         await asyncio.sleep(remaining - TIMER_SLACK)
+    else:
+        await asyncio.sleep(0)
     while clock() < deadline:  # noqa: ASYNC110 (a deadline, not an event, ends this wait)
         await asyncio.sleep(0)

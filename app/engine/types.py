@@ -72,13 +72,20 @@ class TokenConstraint(Protocol):
         still to be ``accept``-ed (or, if it is dropped, forgotten by the next call)."""
         ...
 
+    def advance(self, token: int) -> None:
+        """For a model that applied the mask: consume ``token`` now, on the model's thread, so
+        that ``accept(token)`` costs nothing on the event loop."""
+        ...
+
     def accept(self, token: int) -> bool:
-        """Advance past ``token``; False if the grammar forbids it."""
+        """Advance past ``token``; False if the grammar forbids it, or if the work of its
+        grammar exceeded the server's budget."""
         ...
 
     def refusal(self, token: int) -> Exception:
         """Why ``accept(token)`` returned False: ``GrammarLimitError`` if the grammar engine gave
-        up on the request's grammar (a limit on its work per token: the client's grammar),
+        up on the request's grammar (a limit on its work per token, or the CPU time its work
+        may take: the client's grammar),
         else ``ModelOutputError`` (the model emitted a token its grammar forbids: a bug)."""
         ...
 

@@ -14,6 +14,8 @@ import json
 import os
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
+from time import perf_counter_ns, thread_time_ns
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -52,6 +54,30 @@ LIMITS = ("items; max is", "Too many items", "fuel", "too many states")
 CLOSING = ('"', "}", "]", ",")  # after EOS, in this order: strings, objects, arrays, items
 NUMBER = "1"  # a value that must start (no string, object or array allowed): a number
 NONE = -1  # no token
+# A token whose grammar work took at least this long (wall time, ns) has its next token's work
+# timed in thread CPU time (see ``GrammarBudget``): cheap tokens pay two perf-counter reads only
+HEAVY_NS = 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarBudget:
+    """The CPU time a request's grammar work may take (``--max-grammar-ms-per-token``,
+    ``--max-grammar-ms-per-request``): past either, the matcher gives up on the grammar and the
+    request ends with ``GrammarLimitError`` (the client's ``invalid_grammar``), as it does at
+    llguidance's own limits. The work is counted in the CPU time of the thread doing it (other
+    processes and the event loop do not count against a request), but only for the tokens that
+    follow a token whose work took ``HEAVY_NS`` or more: typical grammars cost microseconds a
+    token and are never timed that way (a clock read of the thread's CPU costs ~1 us), and a
+    grammar whose cost grows from token to token is timed once it reaches a millisecond. So
+    ``per_request_ms`` bounds the time spent on such expensive tokens, and a token's work is
+    checked against ``per_token_ms`` from the token after the first expensive one on.
+    Zero: no limit."""
+
+    per_token_ms: float = 0.0
+    per_request_ms: float = 0.0
+
+
+NO_BUDGET = GrammarBudget()
 
 
 Steering = tuple[tuple[int, ...], int | None, frozenset[int]]  # closing, number, structural ids
@@ -80,14 +106,21 @@ class GrammarMatcher:
         "__weakref__",
         "_ahead",
         "_closing",
+        "_cost_ns",
         "_eos",
+        "_exceeded",
         "_forced_bytes",
+        "_heavy_ns",
         "_matcher",
         "_number",
         "_pending",
+        "_request_ns",
         "_run",
+        "_spent_ns",
         "_steered",
         "_structural",
+        "_timed",
+        "_token_ns",
         "finished",
     )
 
@@ -99,8 +132,10 @@ class GrammarMatcher:
         *,
         byte_tokens: bool = False,
         ahead: tuple[int, ...] = (),
+        budget: GrammarBudget = NO_BUDGET,
     ) -> None:
-        """``ahead``: forced tokens ``matcher`` has consumed already (none accepted yet)."""
+        """``ahead``: forced tokens ``matcher`` has consumed already (none accepted yet);
+        ``budget``: the CPU time its work may take (see ``GrammarBudget``)."""
         self._matcher = matcher
         self._eos = eos
         self._closing, self._number, self._structural = steering
@@ -112,24 +147,57 @@ class GrammarMatcher:
         self._steered = 0  # ``choose`` calls in a row that could not keep the model's token
         # the grammar ended (its end token was accepted): nothing more may be generated
         self.finished = False
+        # the budget in ns (0: none), per token and per request
+        self._token_ns = int(budget.per_token_ms * 1e6)
+        self._request_ns = int(budget.per_request_ms * 1e6)
+        # a token whose work took this long has the next one's timed (never without a budget)
+        self._heavy_ns = HEAVY_NS if self._token_ns or self._request_ns else 1 << 62
+        self._timed = False  # the current token's work is timed in thread CPU time
+        self._cost_ns = 0  # the current token's work so far (wall time unless timed)
+        self._spent_ns = 0  # the CPU time of the timed tokens' work
+        self._exceeded: str | None = None  # why the budget gave up on the grammar, if it did
 
     def mask(self) -> bytes:
         """The allowed next tokens as a bitmask: bit t (byte t // 8, bit t % 8) is token t."""
+        start = self._start()
         self._settle()
-        return bytes(self._matcher.compute_bitmask())
+        mask = bytes(self._matcher.compute_bitmask())
+        self._charge(start)
+        return mask
+
+    def advance(self, token: int) -> None:
+        """Consume ``token`` now, as the model's choice under the mask it was given: it is
+        pending (as a token ``choose`` returned), so the ``accept`` that follows costs nothing
+        (the runner calls this on the model's thread, after the call; ``accept`` runs on the
+        event loop). A token the grammar refuses is not consumed: ``accept`` then says so."""
+        if self._exceeded is not None:
+            return
+        start = self._start()
+        self._settle()
+        if self._matcher.try_consume_tokens([token]) == 1:
+            self._pending = token
+        self._charge(start)
 
     def accept(self, token: int) -> bool:
         """Advance past ``token``; False if the grammar forbids it or llguidance gave up on the
         grammar (see ``refusal``; the matcher is then broken). A matcher in its error state
         still takes EOS (its masks then allow only EOS), so that is checked after the step:
         the request must not end as if its grammar had. ``finished`` then says whether the
-        grammar has ended."""
+        grammar has ended. False too once the work exceeded the budget (``GrammarBudget``)."""
+        if self._exceeded is not None:
+            return False
         if token == self._pending:  # ``choose`` consumed it already (a consume that succeeded:
             self._pending = NONE  # llguidance's errors make it report failure, so no error)
         else:
+            start = self._start()
             self._settle()
-            if not self._matcher.consume_token(token) or self._matcher.is_error():  # ~40 ns
+            taken = self._matcher.consume_token(token) and not self._matcher.is_error()  # ~40 ns
+            self._charge(start)
+            if not taken or self._exceeded is not None:
                 return False
+        # the next token's work is timed in CPU time if this one's was expensive
+        self._timed = self._cost_ns >= self._heavy_ns
+        self._cost_ns = 0
         self._run = 0 if token in self._structural else self._run + 1
         if not self._ahead:  # (a forced run still ahead: the grammar goes on)
             self.finished = self._matcher.is_stopped()
@@ -140,6 +208,8 @@ class GrammarMatcher:
         ``GrammarLimitError`` with llguidance's reason if it gave up on the grammar (one of its
         ``LIMITS`` on the work per token; see ``limit_reason``), else ``ModelOutputError`` (a
         model that broke the mask it was given, or emitted an id outside the vocabulary)."""
+        if self._exceeded is not None:
+            return GrammarLimitError(self._exceeded)
         message = self._matcher.get_error()
         if any(limit in message for limit in LIMITS):
             return GrammarLimitError(limit_reason(message))
@@ -156,10 +226,17 @@ class GrammarMatcher:
         deterministic rotation (so a cycle of preferences cannot last). It steers toward
         completing the structure. (A token the grammar forces is the only allowed one: every
         rule above returns it.)"""
-        if self._pending != NONE:
-            self._settle()  # the pending token was dropped
-        elif self._ahead:
+        if self._ahead and self._pending == NONE:  # a forced token: no parser call, untimed
             return self._offer(preferred)
+        start = self._start()
+        token = self._choose(preferred)
+        self._charge(start)
+        return token
+
+    def _choose(self, preferred: int) -> int:
+        """``choose`` but for a forced token ahead, untimed."""
+        if self._pending != NONE:
+            self._settle()  # the pending token was dropped (and the forced run after it)
         looked = self._steered > 0 and self._forced_bytes  # after a refusal, a forced run
         if looked and self._consume_forced():  # often follows: look first (a try saved)
             return self._offer(preferred)
@@ -244,6 +321,33 @@ class GrammarMatcher:
         ]
         return ids[((self._steered * 0x9E3779B1) >> 16) % len(ids)] if ids else self._eos
 
+    def _start(self) -> int:
+        """A clock reading before some work: thread CPU time if this token is timed in it."""
+        return thread_time_ns() if self._timed else perf_counter_ns()
+
+    def _charge(self, start: int) -> None:
+        """Count the work since ``start`` (a ``_start`` reading) against the budget; past it,
+        give up on the grammar (``_exceeded``: ``accept`` refuses the token, ``refusal`` says
+        why)."""
+        if not self._timed:
+            self._cost_ns += perf_counter_ns() - start
+            return
+        cost = thread_time_ns() - start
+        self._cost_ns += cost
+        self._spent_ns += cost
+        if self._exceeded is not None:
+            return
+        if self._token_ns and self._cost_ns > self._token_ns:
+            self._exceeded = (
+                f"its work for one token took {self._cost_ns / 1e6:.0f} ms of CPU time "
+                f"(this server allows {self._token_ns / 1e6:g} ms per token)"
+            )
+        elif self._request_ns and self._spent_ns > self._request_ns:
+            self._exceeded = (
+                f"its work took {self._spent_ns / 1e6:.0f} ms of CPU time on this request's "
+                f"expensive tokens (this server allows {self._request_ns / 1e6:g} ms per request)"
+            )
+
     def _settle(self) -> None:
         """Roll back the tokens consumed past the accepted ones (a dropped pending token and
         the rest of its forced run)."""
@@ -257,8 +361,10 @@ class GrammarMatcher:
 class GrammarCompiler:
     """Compiles constraints for one tokenizer's vocabulary."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, budget: GrammarBudget = NO_BUDGET) -> None:
+        """``budget``: the CPU time each request's grammar work may take."""
         self._vocab = grammar_vocabulary(tokenizer)
+        self.budget = budget
         # LRU: compiled grammars, each primed with its start's forced tokens (see ``_prime``)
         self._templates: OrderedDict[Constraint, tuple[Any, tuple[int, ...]]] = OrderedDict()
         self._template_bytes = 0
@@ -302,6 +408,7 @@ class GrammarCompiler:
             self._steering,
             byte_tokens=self._byte_tokens,
             ahead=forced,
+            budget=self.budget,
         )
 
     def _prime(self, template: Any) -> tuple[int, ...]:
