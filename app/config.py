@@ -44,7 +44,7 @@ class Settings(BaseSettings):
     max_n: int = Field(
         16, ge=1, description="OpenAI routes: the most choices (n) one request may ask"
     )
-    # --- log-probability bounds (app/api/logprob_bounds.py); unset: scaled by the context ---
+    # --- log-probability bounds (app/api/reply_bounds.py); unset: scaled by the context ---
     max_logprob_entries: int | None = Field(
         None,
         ge=1,
@@ -57,6 +57,11 @@ class Settings(BaseSettings):
         ge=1,
         description="n x prompt tokens of one request asking for prompt log probabilities; "
         "past it: 400 (unset: 8 x --max-model-len)",
+    )
+    max_response_bytes: ByteSize = Field(
+        ByteSize(64 << 20),
+        ge=1024,
+        description="bytes of one whole (non-streamed) reply; past it: 400 (e.g. 64MiB)",
     )
     # --- end of log-probability bounds ---
     max_num_batched_tokens: int = Field(

@@ -28,7 +28,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from app.api import generation, logprob_bounds, tools
+from app.api import generation, reply_bounds, tools
 from app.api.adapters.responses_schemas import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -74,9 +74,9 @@ async def create(
         user=body.user, model=body.model, stream=bool(body.stream), id_prefix="resp",
         constraint=constraint, constraint_param=param, tools=plan,
     )  # fmt: skip
-    ask = logprob_bounds.LogprobAsk(1, body.logprobs_asked(), None,
+    ask = reply_bounds.LogprobAsk(1, body.logprobs_asked(), None,
                                     ("top_logprobs", "max_output_tokens", "include"))  # fmt: skip
-    logprob_bounds.check(serving, [len(internal.prompt)], internal.max_tokens, ask)
+    reply_bounds.check(serving, [len(internal.prompt)], internal.max_tokens, ask)
     await serving.precompile(internal.constraint, internal.constraint_param)  # off the loop
     run = generation.start(request, serving, internal, key_name)
     shape = ResponseShape(run, body, serving)
@@ -98,9 +98,10 @@ async def create(
         except generation.ModelFailed as err:
             raise err.error from err
         entry.response = shape.finished(outcome)
+        response = reply_bounds.json_reply(entry.response, serving, "max_output_tokens or "
+                                           "top_logprobs")  # fmt: skip
         if body.store:
             _keeper(store, entry)(entry.response, outcome)
-        response = JSONResponse(entry.response)
     return generation.flag_priority(response, serving, internal)
 
 

@@ -1,7 +1,7 @@
-"""Bounds on a request's log probabilities (issue 27, finding 2): ``n`` x tokens x alternatives,
-counted as each route renders them, and ``n`` x prompt tokens with prompt log probabilities,
-refused with a 400 naming the fields before the request is admitted; what
-lm-evaluation-harness sends keeps working."""
+"""Bounds on the size of a reply (issue 27, finding 2): its log probabilities (``n`` x tokens x
+alternatives, counted as each route renders them, and ``n`` x prompt tokens with prompt log
+probabilities) refused with a 400 naming the fields before the request is admitted, what
+lm-evaluation-harness sends still served; and the bytes of a whole reply."""
 
 from __future__ import annotations
 
@@ -97,3 +97,20 @@ async def test_responses_top_logprobs_are_bounded(make_client: ClientFactory) ->
         assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
         r = await client.post("/v1/responses", json=body | {"max_output_tokens": 900})
         assert r.status_code == 200
+
+
+async def test_a_whole_reply_past_the_byte_bound_is_a_400(make_client: ClientFactory) -> None:
+    """``--max-response-bytes``: a whole reply bigger than it is never held for the client (a
+    stream sends its events as they come instead)."""
+    body = {"prompt": "x", "max_tokens": 400, "ignore_eos": True, "n": 4}
+    async with make_client(max_response_bytes=2048, mock_stop_probability=0) as client:
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "response_too_large"
+        assert "--max-response-bytes (2048)" in r.json()["error"]["message"]
+        streamed = await client.post("/v1/completions", json=body | {"stream": True})
+        assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+        response = {"input": "x", "max_output_tokens": 2000}
+        r = await client.post("/v1/responses", json=response)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "response_too_large"
+        small = await client.post("/v1/completions", json=body | {"max_tokens": 5})
+        assert small.status_code == 200

@@ -1,4 +1,5 @@
-"""Bounds on a request's log probabilities, checked before it is admitted.
+"""Bounds on the size of a request's reply: its log probabilities, checked before it is
+admitted, and the bytes a whole (non-streamed) reply may hold in the server.
 
 A request's log probabilities are the bulk of its reply and of what the engine keeps for it:
 ``n`` choices each carry an entry per token (the chosen token and ``top`` alternatives), and
@@ -14,12 +15,22 @@ the same request can never succeed):
 With both unset they scale with the context (``defaults``): one full-context prompt scored as
 lm-evaluation-harness scores it (``echo``, ``logprobs: 1``) costs about 4 x context entries, so
 the defaults take eight at once.
+
+``--max-response-bytes`` bounds what one request may leave buffered in the server: a whole
+reply is rendered once (``json_reply``) and, past the bound, answered with a 400 naming what
+to lower instead (a backstop: with the bounds above at their defaults a reply stays well under
+it). A stream holds at most one event plus the connection's small send buffers
+(``app.api.connection``), and a reader that stops taking them is cut off (``--send-timeout``).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from fastapi.responses import Response
 
 from app.api.errors import APIError
 from app.config import Settings
@@ -88,3 +99,17 @@ def check(
                        "entries (n x tokens x (1 + alternatives)), past this server's "
                        f"--max-logprob-entries ({max_entries}); lower one of them",
                        param=ask.fields[0], code="too_many_logprobs")  # fmt: skip
+
+
+def json_reply(content: Any, serving: Serving, fields: str) -> Response:
+    """``content`` as a JSON response (Starlette's ``JSONResponse`` encoding), or a 400
+    ``response_too_large`` naming ``fields`` (what the client can lower) when its bytes pass
+    ``--max-response-bytes``."""
+    body = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    data = body.encode("utf-8")
+    bound = int(serving.settings.max_response_bytes)
+    if len(data) > bound:
+        raise APIError(400, f"the reply ({len(data)} bytes) exceeds this server's "
+                       f"--max-response-bytes ({bound}); lower {fields}, or stream it",
+                       code="response_too_large")  # fmt: skip
+    return Response(data, media_type="application/json")
