@@ -7,6 +7,9 @@
    how many bytes were left queued for a non-reader;
 3. slowloris: 300 connections that never finish their headers, the server's file limit
    lowered to 256: does /health still answer.
+4. log probabilities (issue 27): the completions request ``n: 16, echo: true, logprobs: 20,
+   prompt_logprobs: 20, max_tokens: 8`` on one 8k-token prompt, alone then 8 at once
+   (default flags): status codes, time, and the server's RSS growth (now and at its peak).
 
 Run: python benchmarks/edge_attacks.py [--root DIR]   (DIR: a checkout to measure, default
 this one; e.g. --root ../main for the code before the fixes). Only 127.0.0.1 is used.
@@ -19,11 +22,13 @@ import contextlib
 import json
 import os
 import resource
+import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -68,9 +73,10 @@ def healthy(port: int, timeout: float = 1.0) -> bool:
     return False
 
 
-def rss_mib(pid: int) -> float:
+def rss_mib(pid: int, field: str = "VmRSS") -> float:
+    """The process's resident memory (``VmHWM``: its peak so far) in MiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return 0.0
 
@@ -138,16 +144,61 @@ def slowloris(root: Path) -> None:
               f"server fds {fds}")  # fmt: skip
 
 
+# --- 4. the log-probability attack (issue 27) ---
+LOGPROB_ATTACK = {"prompt": [ord("a") + i % 26 for i in range(8184)], "n": 16, "echo": True,
+                  "logprobs": 20, "prompt_logprobs": 20, "max_tokens": 8}  # fmt: skip
+
+
+def logprob_attack(root: Path, timeout: float = 300.0, rss_limit: float = 4096) -> None:
+    """Each round on a fresh server; a server past ``rss_limit`` MiB is killed (the machine is
+    shared) and reported so."""
+    for count in (1, 8):
+        with server(root) as (pid, port):
+            url = f"http://127.0.0.1:{port}/v1/completions"
+            before, start, peak, after = rss_mib(pid), time.monotonic(), 0.0, 0.0
+            with ThreadPoolExecutor(count) as pool:
+                answers = [pool.submit(_status, url, timeout) for _ in range(count)]
+                while not all(a.done() for a in answers):
+                    peak = max(peak, rss_mib(pid))
+                    if peak > rss_limit:
+                        os.kill(pid, signal.SIGKILL)
+                        break
+                    time.sleep(0.05)  # sampling another process's memory: nothing to await
+                statuses = sorted({a.result() for a in answers})
+            took = time.monotonic() - start
+            if peak <= rss_limit:  # alive: its exact peak and its memory now
+                peak, after = max(peak, rss_mib(pid, "VmHWM")), rss_mib(pid)
+            killed = f", killed past {rss_limit:.0f} MiB" if peak > rss_limit else ""
+            print(f"4. logprob attack x{count}: {', '.join(statuses)} after {took:.1f} s; RSS "
+                  f"{before:.0f} MiB before, peak {peak:.0f} (+{peak - before:.0f}), "
+                  f"{after:.0f} after{killed}", flush=True)  # fmt: skip
+
+
+def _status(url: str, timeout: float) -> str:
+    try:
+        r = httpx.post(url, json=LOGPROB_ATTACK, timeout=timeout)
+    except httpx.TimeoutException:
+        return f"no answer within {timeout:.0f} s"
+    except httpx.TransportError:
+        return "connection lost"
+    return f"{r.status_code} ({len(r.content) / (1 << 20):.1f} MiB)"
+
+
+# --- end of 4 ---
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--root", type=Path, default=ROOT, help="checkout to measure")
+    parser.add_argument("--only", type=int, choices=(1, 2, 3, 4), help="run one attack")
     args = parser.parse_args()
     print(f"measuring {args.root.resolve()}")
-    header_bomb(args.root)
-    non_readers(args.root)
-    slowloris(args.root)
+    attacks = (header_bomb, non_readers, slowloris, logprob_attack)
+    for number, attack in enumerate(attacks, 1):
+        if args.only in (None, number):
+            attack(args.root)
 
 
 if __name__ == "__main__":
