@@ -245,7 +245,7 @@ def _stored(
     entry = store.get(response_id, owner)
     if entry is None:
         raise APIError(404, f"no stored response with id {response_id!r} (responses are kept "
-                       "in memory, bounded in count and age, and lost on restart)",
+                       "in memory, bounded in count, bytes and age, and lost on restart)",
                        "not_found_error", param=param, code="response_not_found")  # fmt: skip
     return entry
 
