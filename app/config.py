@@ -44,6 +44,26 @@ class Settings(BaseSettings):
     max_n: int = Field(
         16, ge=1, description="OpenAI routes: the most choices (n) one request may ask"
     )
+    # --- log-probability bounds (app/api/reply_bounds.py); unset: scaled by the context ---
+    max_logprob_entries: int | None = Field(
+        None,
+        ge=1,
+        description="log-probability entries one request's reply may hold (n x tokens x (1 + "
+        "alternatives), as each route renders them); past it: 400 (unset: 32 x "
+        "--max-model-len)",
+    )
+    max_prompt_logprob_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="n x prompt tokens of one request asking for prompt log probabilities; "
+        "past it: 400 (unset: 8 x --max-model-len)",
+    )
+    max_response_bytes: ByteSize = Field(
+        ByteSize(64 << 20),
+        ge=1024,
+        description="bytes of one whole (non-streamed) reply; past it: 400 (e.g. 64MiB)",
+    )
+    # --- end of log-probability bounds ---
     max_num_batched_tokens: int = Field(
         2048, ge=1, description="token budget per step (decode + prefill); >= --num-slots"
     )
@@ -266,6 +286,12 @@ class Settings(BaseSettings):
     )
     responses_store_seconds: float = Field(
         3600.0, gt=0, description="/v1/responses: seconds a finished response is kept"
+    )
+    responses_store_bytes: ByteSize = Field(
+        ByteSize(128 << 20),
+        ge=1024,
+        description="/v1/responses: bytes of stored responses (JSON and conversation text; "
+        "past it the oldest finished go first), e.g. 128MiB",
     )
 
     @field_validator("failure_types")

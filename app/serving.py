@@ -524,15 +524,22 @@ class Serving:
         rank = self._rank_of(request_id)
         return rank is not None and self.engines[rank].abort(request_id, reason)
 
-    async def cancel(self, request_id: str) -> bool:
+    async def cancel(self, request_id: str, owner: str | None = None) -> bool:
         """Abort a live request and wait (at most ``CANCEL_TIMEOUT``) until the engine has
-        applied it, so its id is free again on return. False if no live request has this id."""
+        applied it, so its id is free again on return. False if no live request has this id,
+        or (``owner``: an API key's name) none of that key's: another key's request is left
+        alone, as if it did not exist."""
+
+        def mine(stream: RequestStream) -> bool:
+            return owner is None or stream.seq.user == owner
+
         stream = self._live(request_id)
-        streams = [stream] if stream is not None and self.abort(request_id) else []
+        own = stream is not None and mine(stream)
+        streams = [stream] if stream is not None and own and self.abort(request_id) else []
         siblings = f"{request_id}~"  # the other choices (n > 1, several prompts): <id>~<k>,
         for engine in self.engines:  # live even when the first one has ended
             for sibling_id, sibling in list(engine.core.live.items()):
-                if sibling_id.startswith(siblings) and self.abort(sibling_id):
+                if sibling_id.startswith(siblings) and mine(sibling) and self.abort(sibling_id):
                     streams.append(sibling)
         if not streams:
             return False
@@ -540,8 +547,10 @@ class Serving:
             await asyncio.wait_for(asyncio.gather(*(s.ended() for s in streams)), CANCEL_TIMEOUT)
         return True
 
-    def slots(self, rank: int = 0) -> list[dict[str, object]]:
-        """Rank ``rank``'s slot table now, one entry per slot (like llama.cpp's ``/slots``)."""
+    def slots(self, rank: int = 0, viewer: str | None = None) -> list[dict[str, object]]:
+        """Rank ``rank``'s slot table now, one entry per slot (like llama.cpp's ``/slots``).
+        ``viewer``: the API key's name asking (None: no keys, every entry whole); another
+        key's request shows without its ``request_id`` and ``user``."""
         engine = self.engine if rank == 0 else self.engines[rank]
         scheduler, now = engine.core.scheduler, time.monotonic()
         table, scheduling = scheduler.slots, scheduler.scheduling
@@ -569,6 +578,8 @@ class Serving:
                 }
                 if level is not None:
                     entry["level"] = level
+                if viewer is not None and seq.user != viewer:
+                    del entry["request_id"], entry["user"]
             out.append(entry)
         return out
 
@@ -664,13 +675,18 @@ class Serving:
                 param, "invalid_token_id",
             )  # fmt: skip
 
+    def output_tokens(self, prompt_len: int, requested: int | None) -> int:
+        """The most tokens a request may generate after a ``prompt_len``-token prompt:
+        ``requested``, or the default capped by the room left, never past the context (a
+        request asking for more is refused by ``prepare``)."""
+        room = max(self.settings.max_model_len - prompt_len, 0)
+        return min(room, self.settings.default_max_tokens if requested is None else requested)
+
     def _max_tokens(self, prompt_len: int, requested: int | None) -> int:
         """``requested``, or the default capped by the room left; 400 past the context."""
         context = self.settings.max_model_len
         room = context - prompt_len
-        max_tokens = min(self.settings.default_max_tokens, max(room, 0))
-        if requested is not None:
-            max_tokens = requested
+        max_tokens = self.output_tokens(prompt_len, None) if requested is None else requested
         books = self.engine.core.scheduler.books
         needed = prompt_len + max_tokens - 1  # the last token is never fed back
         if room >= 0 and max_tokens <= room and not books.fits_ever(needed):

@@ -7,10 +7,11 @@
    how many bytes were left queued for a non-reader;
 3. slowloris: 300 connections that never finish their headers, the server's file limit
    lowered to 256: does /health still answer.
+4. log probabilities (issue 27, ``--only logprobs``): the completions request ``n: 16, echo: true, logprobs: 20,
+   prompt_logprobs: 20, max_tokens: 8`` on one 8k-token prompt, alone then 8 at once
+   (default flags): status codes, time, and the server's RSS growth (now and at its peak).
 
-Issue 27 (``--only grammar`` runs these alone):
-
-4. grammar attack: ``structured_outputs.grammar`` ``start: x "!"`` / ``x: x x | /[^!]/`` (its
+5. grammar attack (issue 27, ``--only grammar``): ``structured_outputs.grammar`` ``start: x "!"`` / ``x: x x | /[^!]/`` (its
    work per token grows with every token) at ``--mock-step-ms 5``: one request alone (the
    server's CPU seconds until it ends), then 4 streams x 2,000 tokens (how each ends, the
    server's CPU seconds for the 4, a plain 20-token /generate sent meanwhile), then 4 such
@@ -19,7 +20,7 @@ Issue 27 (``--only grammar`` runs these alone):
    is sampled every ~50 ms throughout (p99 and max; a probe times out at 5 s). Each part gives
    up after 90 s (main's requests run for minutes).
 
-Run: python benchmarks/edge_attacks.py [--root DIR] [--only grammar]   (DIR: a checkout to
+Run: python benchmarks/edge_attacks.py [--root DIR] [--only NAME ...]   (DIR: a checkout to
 measure, default this one; e.g. --root ../main for the code before the fixes). Only 127.0.0.1
 is used.
 """
@@ -31,12 +32,14 @@ import contextlib
 import json
 import os
 import resource
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -81,9 +84,10 @@ def healthy(port: int, timeout: float = 1.0) -> bool:
     return False
 
 
-def rss_mib(pid: int) -> float:
+def rss_mib(pid: int, field: str = "VmRSS") -> float:
+    """The process's resident memory (``VmHWM``: its peak so far) in MiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return 0.0
 
@@ -250,7 +254,7 @@ def grammar_attack(root: Path) -> None:
         probe.start()
         before = cpu_seconds(pid)
         alone = run_streams(port, 1, 2000)
-        print(f"4a. grammar attack, 1 stream x 2,000 tokens: {alone[0]}, server CPU "
+        print(f"5a. grammar attack, 1 stream x 2,000 tokens: {alone[0]}, server CPU "
               f"{cpu_seconds(pid) - before:.2f} s; {probe.report()}")  # fmt: skip
     with server(root, *flags) as (pid, port):
         probe = HealthProbe(port)
@@ -273,7 +277,7 @@ def grammar_attack(root: Path) -> None:
         sender.start()
         ends = run_streams(port, 4, 2000)
         sender.join()
-        print(f"4b. grammar attack, 4 streams x 2,000 tokens: {'; '.join(sorted(ends))}; server "
+        print(f"5b. grammar attack, 4 streams x 2,000 tokens: {'; '.join(sorted(ends))}; server "
               f"CPU {cpu_seconds(pid) - before:.2f} s for the 4; a plain /generate sent 1 s in: "
               f"{plain}; {probe.report()}")  # fmt: skip
     with server(root, *flags) as (_pid, port):
@@ -285,8 +289,60 @@ def grammar_attack(root: Path) -> None:
             time.sleep(0.02)  # another process frees them: nothing to await
             busy = busy_slots(port)
         freed = f"{time.monotonic() - gone:.2f} s" if busy == 0 else f"> {ATTACK_TIMEOUT:.0f} s"
-        print(f"4c. grammar attack, 4 streams that leave after 300 events ({'; '.join(left)}): "
+        print(f"5c. grammar attack, 4 streams that leave after 300 events ({'; '.join(left)}): "
               f"every slot free {freed} after the last client left; {probe.report()}")  # fmt: skip
+
+
+# --- 4. the log-probability attack (issue 27) ---
+LOGPROB_ATTACK = {"prompt": [ord("a") + i % 26 for i in range(8184)], "n": 16, "echo": True,
+                  "logprobs": 20, "prompt_logprobs": 20, "max_tokens": 8}  # fmt: skip
+
+
+def logprob_attack(root: Path, timeout: float = 300.0, rss_limit: float = 4096) -> None:
+    """Each round on a fresh server; a server past ``rss_limit`` MiB is killed (the machine is
+    shared) and reported so."""
+    for count in (1, 8):
+        with server(root) as (pid, port):
+            url = f"http://127.0.0.1:{port}/v1/completions"
+            before, start, peak, after = rss_mib(pid), time.monotonic(), 0.0, 0.0
+            with ThreadPoolExecutor(count) as pool:
+                answers = [pool.submit(_status, url, timeout) for _ in range(count)]
+                while not all(a.done() for a in answers):
+                    peak = max(peak, rss_mib(pid))
+                    if peak > rss_limit:
+                        os.kill(pid, signal.SIGKILL)
+                        break
+                    time.sleep(0.05)  # sampling another process's memory: nothing to await
+                statuses = sorted({a.result() for a in answers})
+            took = time.monotonic() - start
+            if peak <= rss_limit:  # alive: its exact peak and its memory now
+                peak, after = max(peak, rss_mib(pid, "VmHWM")), rss_mib(pid)
+            killed = f", killed past {rss_limit:.0f} MiB" if peak > rss_limit else ""
+            print(f"4. logprob attack x{count}: {', '.join(statuses)} after {took:.1f} s; RSS "
+                  f"{before:.0f} MiB before, peak {peak:.0f} (+{peak - before:.0f}), "
+                  f"{after:.0f} after{killed}", flush=True)  # fmt: skip
+
+
+def _status(url: str, timeout: float) -> str:
+    try:
+        r = httpx.post(url, json=LOGPROB_ATTACK, timeout=timeout)
+    except httpx.TimeoutException:
+        return f"no answer within {timeout:.0f} s"
+    except httpx.TransportError:
+        return "connection lost"
+    return f"{r.status_code} ({len(r.content) / (1 << 20):.1f} MiB)"
+
+
+# --- end of 4 ---
+
+
+ATTACKS = {
+    "headers": header_bomb,
+    "non-readers": non_readers,
+    "slowloris": slowloris,
+    "logprobs": logprob_attack,
+    "grammar": grammar_attack,
+}
 
 
 def main() -> None:
@@ -294,14 +350,13 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--root", type=Path, default=ROOT, help="checkout to measure")
-    parser.add_argument("--only", choices=["grammar"], help="run only these attacks")
+    parser.add_argument("--only", action="append", choices=list(ATTACKS),
+                        help="run only this attack (repeatable)")  # fmt: skip
     args = parser.parse_args()
     print(f"measuring {args.root.resolve()}")
-    if args.only is None:
-        header_bomb(args.root)
-        non_readers(args.root)
-        slowloris(args.root)
-    grammar_attack(args.root)
+    for name, attack in ATTACKS.items():
+        if args.only is None or name in args.only:
+            attack(args.root)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from app.api.deps import ServingDep
+from app.api.deps import KeyNameDep, ServingDep
 from app.api.errors import error_body
 
 router = APIRouter(tags=["operations"])
@@ -36,19 +36,20 @@ async def metrics(serving: ServingDep) -> Response:
 
 
 @router.get("/slots")
-async def slots(serving: ServingDep) -> dict[str, Any]:
-    """The slot table now: per slot its request, tokens generated, max_tokens and age."""
+async def slots(serving: ServingDep, key_name: KeyNameDep) -> dict[str, Any]:
+    """The slot table now: per slot its request, tokens generated, max_tokens and age. With API
+    keys, a slot running another key's request shows without its request id and user."""
     engine = serving.engine
     table: dict[str, Any] = {
         "num_slots": engine.config.num_slots,
         "running": engine.core.num_running,
         "waiting": engine.core.num_waiting,
-        "slots": serving.slots(),
+        "slots": serving.slots(viewer=key_name),
     }
     if len(serving.engines) > 1:  # --data-parallel-size: the above is rank 0's; every rank's
         table["ranks"] = [
             {"rank": rank, "num_slots": e.config.num_slots, "running": e.core.num_running,
-             "waiting": e.core.num_waiting, "slots": serving.slots(rank)}
+             "waiting": e.core.num_waiting, "slots": serving.slots(rank, key_name)}
             for rank, e in enumerate(serving.engines)
         ]  # fmt: skip
     return table

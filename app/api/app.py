@@ -50,8 +50,9 @@ def create_app(settings: Settings | None = None, model: Model | None = None) -> 
     app.state.serving = serving
     app.state.faults = FaultInjector(settings, serving.metrics)
     app.state.responses = ResponseStore(
-        settings.responses_store_size, settings.responses_store_seconds
-    )
+        settings.responses_store_size, settings.responses_store_seconds,
+        int(settings.responses_store_bytes),
+    )  # fmt: skip
     install_error_handlers(app)
     app.add_exception_handler(ClientGone, _client_gone)
     app.include_router(native.router)

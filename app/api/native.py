@@ -74,10 +74,11 @@ def flag_ignored_priority(response: Response, serving: Serving, priority: int) -
 
 
 @router.delete("/requests/{request_id}", responses={404: {"description": "unknown request"}})
-async def cancel(request_id: str, serving: ServingDep) -> dict[str, object]:
+async def cancel(request_id: str, serving: ServingDep, key_name: KeyNameDep) -> dict[str, object]:
     """Cancel a waiting or running request; its stream ends with ``finish_reason: abort``. The
-    answer comes once the engine has applied the abort, so the id can be reused at once."""
-    if not await serving.cancel(request_id):
+    answer comes once the engine has applied the abort, so the id can be reused at once. With
+    API keys, another key's request is a 404, as an unknown one."""
+    if not await serving.cancel(request_id, key_name):
         raise APIError(404, f"no live request with id {request_id!r}", "not_found_error",
                        param="request_id", code="request_not_found")  # fmt: skip
     return {"request_id": request_id, "cancelled": True}

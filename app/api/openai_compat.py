@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
-from app.api import faults
+from app.api import faults, reply_bounds
 from app.api.aligned_tokens import AlignedTokens
 from app.api.deps import KeyNameDep, ServingDep, data_parallel_rank
 from app.api.errors import APIError, generation_failed, model_not_found
@@ -191,6 +191,7 @@ def _start(
         constraint=grammar, constraint_param=grammar_param, lora=lora,
     )  # fmt: skip
     n = _choices(body, serving, len(prompts), rank)
+    reply_bounds.check(serving, [len(p) for p in prompts], max_tokens, _logprob_ask(body, n))
     stream = faults.submit(request, serving, params, streaming=bool(body.stream),
                            id_prefix=prefix, model=body.model, rank=rank)  # fmt: skip
     streams = [stream, *_fan_out(serving, params, stream, prompts, n, rank)]
@@ -220,6 +221,19 @@ def _choices(body: OpenAIParams, serving: Serving, prompts: int, rank: int | Non
                        f"this server can ever hold at once ({room}: slots + --max-waiting)",
                        param="n", code="invalid_value")  # fmt: skip
     return n
+
+
+def _logprob_ask(body: OpenAIParams, n: int) -> reply_bounds.LogprobAsk:
+    """The log probabilities ``body`` asks for, as its route renders them: completions repeat
+    the prompt's in every choice (twice with ``echo``: in ``logprobs`` and in
+    ``prompt_logprobs``), chat shows the prompt's once, next to the choices."""
+    top, prompt = body.top_logprobs_asked(), body.prompt_logprobs
+    if isinstance(body, CompletionRequest):
+        echo = bool(body.echo) and top is not None
+        fields = ("logprobs", "n", "max_tokens", "echo", "prompt_logprobs")
+        return reply_bounds.LogprobAsk(n, top, prompt, fields, echo=echo)
+    chat = ("top_logprobs", "n", "max_completion_tokens", "prompt_logprobs")
+    return reply_bounds.LogprobAsk(n, top, prompt, chat, prompt_once=True)
 
 
 def _fan_out(
@@ -366,7 +380,8 @@ async def _respond(
         return sse_response(chunks, run.streams, serving)
     abort = lambda: run.abort(serving)  # noqa: E731
     wholes = await until_disconnected(request, _collect(run, serving), abort)
-    return JSONResponse(shape.whole(wholes, _usage(run), run.created))
+    fields = "n, max_tokens, logprobs, echo or prompt_logprobs"
+    return reply_bounds.json_reply(shape.whole(wholes, _usage(run), run.created), serving, fields)
 
 
 async def _collect(run: Run, serving: Serving) -> list[Piece]:

@@ -28,7 +28,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from app.api import generation, tools
+from app.api import generation, reply_bounds, tools
 from app.api.adapters.responses_schemas import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -63,7 +63,7 @@ async def create(
     """Create a response (streamed with ``stream: true``; detached with ``background: true``)."""
     store = response_store(request)
     _check_options(body, store)
-    previous = _previous(body, store)
+    previous = _previous(body, store, key_name)
     plan = tool_plan(body, serving)
     constraint, param = output_constraint(body, plan)
     messages, calls = conversation(body, previous)
@@ -74,10 +74,13 @@ async def create(
         user=body.user, model=body.model, stream=bool(body.stream), id_prefix="resp",
         constraint=constraint, constraint_param=param, tools=plan,
     )  # fmt: skip
+    ask = reply_bounds.LogprobAsk(1, body.logprobs_asked(), None,
+                                    ("top_logprobs", "max_output_tokens", "include"))  # fmt: skip
+    reply_bounds.check(serving, [len(internal.prompt)], internal.max_tokens, ask)
     await serving.precompile(internal.constraint, internal.constraint_param)  # off the loop
     run = generation.start(request, serving, internal, key_name)
     shape = ResponseShape(run, body, serving)
-    entry = Stored(run.id, shape.object("queued"), messages, calls, bool(body.background))
+    entry = Stored(run.id, shape.object("queued"), messages, calls, bool(body.background), key_name)
     response: Response
     if body.background:
         store.put(entry)
@@ -95,24 +98,29 @@ async def create(
         except generation.ModelFailed as err:
             raise err.error from err
         entry.response = shape.finished(outcome)
+        response = reply_bounds.json_reply(entry.response, serving, "max_output_tokens or "
+                                           "top_logprobs")  # fmt: skip
         if body.store:
             _keeper(store, entry)(entry.response, outcome)
-        response = JSONResponse(entry.response)
     return generation.flag_priority(response, serving, internal)
 
 
 @router.get("/responses/{response_id}", responses={404: {"description": "unknown response"}})
-async def retrieve(response_id: str, request: Request) -> dict[str, Any]:
-    """A stored response as last reported (a background one: its status now)."""
-    return _stored(response_store(request), response_id).response
+async def retrieve(response_id: str, request: Request, key_name: KeyNameDep) -> dict[str, Any]:
+    """A stored response as last reported (a background one: its status now); another API
+    key's response is a 404, as an unknown one."""
+    return _stored(response_store(request), response_id, key_name).response
 
 
 @router.post("/responses/{response_id}/cancel", responses=ERROR_RESPONSES)
-async def cancel(response_id: str, request: Request, serving: ServingDep) -> dict[str, Any]:
+async def cancel(
+    response_id: str, request: Request, serving: ServingDep, key_name: KeyNameDep
+) -> dict[str, Any]:
     """Cancel a background response: it ends ``cancelled`` and its slot is free before the
     next step. Cancelling it again answers the same; a response that was not created in the
-    background, or that has already finished otherwise, is a 400 (as vLLM answers)."""
-    entry = _stored(response_store(request), response_id)
+    background, or that has already finished otherwise, is a 400 (as vLLM answers); another
+    API key's response is a 404, as an unknown one."""
+    entry = _stored(response_store(request), response_id, key_name)
     if not entry.background:
         raise APIError(400, "Cannot cancel a synchronous response.", param="response_id",
                        code="not_cancellable")  # fmt: skip
@@ -215,10 +223,10 @@ def _unsupported(param: str, message: str) -> APIError:
     return APIError(400, message, param=param, code="unsupported_parameter")
 
 
-def _previous(body: ResponsesRequest, store: ResponseStore) -> Stored | None:
+def _previous(body: ResponsesRequest, store: ResponseStore, owner: str | None) -> Stored | None:
     if body.previous_response_id is None:
         return None
-    entry = _stored(store, body.previous_response_id, param="previous_response_id")
+    entry = _stored(store, body.previous_response_id, owner, param="previous_response_id")
     if entry.running:
         raise APIError(400, f"previous response {entry.id!r} is still {entry.status}",
                        param="previous_response_id", code="previous_response_running")  # fmt: skip
@@ -229,11 +237,15 @@ def _previous(body: ResponsesRequest, store: ResponseStore) -> Stored | None:
     return entry
 
 
-def _stored(store: ResponseStore, response_id: str, param: str = "response_id") -> Stored:
-    entry = store.get(response_id)
+def _stored(
+    store: ResponseStore, response_id: str, owner: str | None, param: str = "response_id"
+) -> Stored:
+    """The entry ``response_id`` of the API key ``owner`` (None: no keys); else 404, the same
+    answer for an unknown, expired or another key's response."""
+    entry = store.get(response_id, owner)
     if entry is None:
         raise APIError(404, f"no stored response with id {response_id!r} (responses are kept "
-                       "in memory, bounded in count and age, and lost on restart)",
+                       "in memory, bounded in count, bytes and age, and lost on restart)",
                        "not_found_error", param=param, code="response_not_found")  # fmt: skip
     return entry
 

@@ -15,6 +15,10 @@ from app.models.protocol import SamplingParams
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 Id = Annotated[StrictStr, Field(min_length=1, max_length=256)]
+# OpenAI's bounds on ``metadata``: at most 16 pairs, keys up to 64 characters, values up to 512
+MetadataKey = Annotated[StrictStr, Field(max_length=64)]
+MetadataValue = Annotated[StrictStr, Field(max_length=512)]
+Metadata = Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)]
 
 
 class TextPart(BaseModel):
@@ -146,8 +150,8 @@ class ResponsesRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     text: TextOptions | None = None
-    metadata: dict[str, StrictStr] | None = None
-    include: list[StrictStr] = Field(default_factory=list)
+    metadata: Metadata | None = None
+    include: Annotated[list[StrictStr], Field(max_length=16)] = Field(default_factory=list)
     top_logprobs: TopLogprobs | None = None
     user: UserName | None = None
     priority: Priority = Field(0, description="vLLM's extension: lower runs first")
