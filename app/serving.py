@@ -203,6 +203,8 @@ def kv_event_publisher(settings: Settings, rank: int = 0) -> KVEventPublisher | 
         hash_seed=settings.prefix_caching_hash_seed,
         int_hashes=settings.kv_events_int_hashes,
         encoding=settings.kv_events_encoding,
+        max_replay_clients=settings.kv_events_max_replay_clients,
+        host=settings.host,
     )
     return KVEventPublisher(config, rank)
 

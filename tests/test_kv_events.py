@@ -28,12 +28,8 @@ from app.engine.engine import Engine
 from app.engine.prefix_cache import CachedBlock, CacheEvent, CacheEventKind
 from app.engine.types import Sequence
 from app.kv_events.hashing import BlockHasher
-from app.kv_events.publisher import (
-    REPLAY_CHUNK,
-    KVEventPublisher,
-    KVEventsConfig,
-    KVEventsError,
-)
+from app.kv_events.publisher import KVEventPublisher, KVEventsConfig, KVEventsError
+from app.kv_events.replay import CHUNK as REPLAY_CHUNK
 from app.models.cached_mock import CachedMockModel
 from app.serving import Serving
 
