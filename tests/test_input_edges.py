@@ -1,13 +1,16 @@
-"""Inputs a hostile client controls, against a real server (issue 27, findings 6, 7 and 9):
+"""Inputs a hostile client controls, against a real server (issue 27, findings 6 to 9):
 each is a 400 naming its field, never a 500; a LoRA path gets one answer whatever stops it
 loading (no oracle for the server's files) and never shows in ``/v1/models``; adapter names
 cannot carry control, separator or comma characters; a tool name sent back in a conversation
 is checked as a tool's own name is, on every protocol; ``/v1/messages`` wants ``max_tokens``
->= 1 (Anthropic's answer)."""
+>= 1 (Anthropic's answer); ``/tokenize`` works off the event loop, within its own body bound."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import anthropic
@@ -130,3 +133,61 @@ def test_openai_routes_check_the_names_of_earlier_calls(server: ServerProcess) -
             {"type": "function_call", "call_id": "c1", "name": INJECTED, "arguments": "{}"},
             {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
         ])  # fmt: skip
+
+
+def _health_while(server: ServerProcess, work: Callable[[], None]) -> float:
+    """The slowest /health answer (seconds) while ``work`` runs."""
+    slowest, done = 0.0, threading.Event()
+
+    def poll() -> None:
+        nonlocal slowest
+        with httpx.Client(timeout=30) as client:
+            while not done.is_set():
+                started = time.monotonic()
+                client.get(server.url + "/health")
+                slowest = max(slowest, time.monotonic() - started)
+                done.wait(0.005)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        work()
+    finally:
+        done.set()
+        poller.join()
+    return slowest
+
+
+def test_tokenize_runs_off_the_event_loop(server: ServerProcess) -> None:
+    """Four concurrent 1 MB prompts with token_strs: ~1 s of Python each, which on the event
+    loop held /health for seconds; on the worker thread /health answers within a few GIL
+    switches."""
+    body = {"prompt": "ab" * 500_000, "return_token_strs": True}
+    answers: list[httpx.Response] = []
+
+    def tokenize_four() -> None:
+        with ThreadPoolExecutor(4) as pool:
+            answers.extend(pool.map(lambda _: httpx.post(server.url + "/tokenize", json=body,
+                                                         timeout=60), range(4)))  # fmt: skip
+
+    slowest = _health_while(server, tokenize_four)
+    assert [a.status_code for a in answers] == [200] * 4
+    answer = answers[0].json()
+    assert answer["count"] == 1_000_000 and answer["token_strs"][:2] == ["a", "b"]
+    assert slowest < 0.4, f"/health took {slowest:.2f} s"
+    tokens = {"tokens": answer["tokens"][:100_000]}
+    back = httpx.post(server.url + "/detokenize", json=tokens, timeout=60)
+    assert back.json() == {"prompt": "ab" * 50_000}
+
+
+def test_the_tokenizer_routes_keep_their_own_body_bound() -> None:
+    """With --max-body-bytes raised to 4 MiB for long prompts, /tokenize and /detokenize
+    still refuse past 1 MiB (their answers grow ~10x the body); /generate takes 2 MiB."""
+    with running_server("--max-body-bytes", str(4 << 20)) as big:
+        prompt = "a" * (2 << 20)
+        refused = httpx.post(big.url + "/tokenize", json={"prompt": prompt}, timeout=30)
+        assert refused.status_code == 413 and str(1 << 20) in refused.json()["error"]["message"]
+        ids = httpx.post(big.url + "/detokenize", json={"tokens": [97] * (1 << 20)}, timeout=30)
+        assert ids.status_code == 413
+        body = {"prompt": prompt[: 2 << 19], "max_tokens": 1, "stream": False}
+        assert httpx.post(big.url + "/generate", json=body, timeout=60).status_code != 413
