@@ -36,27 +36,30 @@ def _listening(port: int) -> set[str]:
 LOOPBACK_HEX = "0100007F"  # 127.0.0.1
 
 
-def test_a_star_endpoint_listens_where_http_listens(tmp_path: Path) -> None:
-    pub, rep = free_port(), free_port()
-    log = tmp_path / "log"
+def _start(pub: str, rep: str, log: Path) -> tuple[set[str], set[str], str]:
+    """Start a server with these endpoints: where the PUB and replay ports listen (while it
+    runs) and its log."""
+    ports = [int(endpoint.rsplit(":", 1)[1]) for endpoint in (pub, rep)]
     with log.open("wb") as sink, running_server(
-        "--enable-prefix-caching", "--kv-events-endpoint", f"tcp://*:{pub}",
-        "--kv-events-replay-endpoint", f"tcp://*:{rep}", stderr=sink,
+        "--enable-prefix-caching", "--kv-events-endpoint", pub,
+        "--kv-events-replay-endpoint", rep, stderr=sink,
     ):  # fmt: skip
-        assert _listening(pub) == {LOOPBACK_HEX} == _listening(rep)
-    assert "beyond loopback" not in log.read_text()
+        where = _listening(ports[0]), _listening(ports[1])
+    return *where, log.read_text()
+
+
+def test_a_star_endpoint_listens_where_http_listens(tmp_path: Path) -> None:
+    pub, rep, log = _start(f"tcp://*:{free_port()}", f"tcp://*:{free_port()}", tmp_path / "log")
+    assert pub == {LOOPBACK_HEX} == rep
+    assert "beyond loopback" not in log
 
 
 def test_a_socket_bound_beyond_loopback_is_warned_of(tmp_path: Path) -> None:
-    pub, rep = free_port(), free_port()
-    log = tmp_path / "log"
-    with log.open("wb") as sink, running_server(
-        "--enable-prefix-caching", "--kv-events-endpoint", f"tcp://0.0.0.0:{pub}",
-        "--kv-events-replay-endpoint", f"tcp://*:{rep}", stderr=sink,
-    ):  # fmt: skip
-        assert _listening(pub) == {"00000000"} and _listening(rep) == {LOOPBACK_HEX}
-    warnings = [line for line in log.read_text().splitlines() if "beyond loopback" in line]
-    assert len(warnings) == 1 and f"tcp://0.0.0.0:{pub}" in warnings[0]
+    port = free_port()
+    pub, rep, log = _start(f"tcp://0.0.0.0:{port}", f"tcp://*:{free_port()}", tmp_path / "log")
+    assert pub == {"00000000"} and rep == {LOOPBACK_HEX}
+    warnings = [line for line in log.splitlines() if "beyond loopback" in line]
+    assert len(warnings) == 1 and f"tcp://0.0.0.0:{port}" in warnings[0]
     assert "token ids" in warnings[0]
 
 
