@@ -67,8 +67,11 @@ def loadable(path: str) -> bool:
     JSON object (never raises: any failure is just "not loadable")."""
     if len(path) > MAX_PATH:
         return False
+    config_path = Path(path) / "adapter_config.json"
     try:
-        with (Path(path) / "adapter_config.json").open("rb") as config:
+        if not config_path.is_file():  # (a FIFO or device would block the open or the read)
+            return False
+        with config_path.open("rb") as config:
             text = config.read(MAX_CONFIG_BYTES + 1)
         return len(text) <= MAX_CONFIG_BYTES and isinstance(json.loads(text), dict)
     except (OSError, ValueError):  # missing, unreadable, a file, too long, not JSON, a NUL

@@ -24,7 +24,7 @@ from app.cli import parse
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def server() -> Iterator[ServerProcess]:
     with running_server("--enable-lora", "--max-cpu-loras", "8") as running:
         yield running
 
