@@ -97,7 +97,7 @@ class ReplayServer:
             log.warning("KV events: a malformed replay request ignored")
             return
         client, _, start = frames
-        self._stalled.discard(client)  # it asks again: counted as answered below
+        self._stalled.discard(client)  # asking again, it counts among the active below
         if client not in self._active and len(self._active) + len(self._stalled) >= (
             self.max_clients
         ):
