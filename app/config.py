@@ -168,11 +168,16 @@ class Settings(BaseSettings):
     kv_events_endpoint: str | None = Field(
         None,
         description="publish KV-cache events (vLLM's wire format) on this ZeroMQ PUB address, "
-        "e.g. tcp://*:5557 (bound; a host without * is connected to); needs "
-        "--enable-prefix-caching (unset: off)",
+        "e.g. tcp://*:5557 (bound where --host is; tcp://0.0.0.0:P: every interface; another "
+        "host is connected to); needs --enable-prefix-caching (unset: off)",
     )
     kv_events_replay_endpoint: str | None = Field(
-        None, description="ZeroMQ ROUTER address answering replays of missed event batches"
+        None,
+        description="ZeroMQ ROUTER address answering replays of missed event batches (bound; "
+        "* as --host)",
+    )
+    kv_events_max_replay_clients: int = Field(
+        8, ge=1, le=1024, description="replay clients holding unread answers at once"
     )
     kv_events_topic: str = Field("", description="topic frame of every KV-event message")
     kv_events_buffer_steps: int = Field(
@@ -370,6 +375,7 @@ class Settings(BaseSettings):
         """Every rank's PUB and replay endpoints (vLLM offsets a tcp port by the rank and
         suffixes an ipc/inproc name) are distinct from each other and from the HTTP port: two
         binds on one ipc path let the second take it over silently."""
+        from app.kv_events.publisher import binds as publisher_binds
         from app.kv_events.publisher import offset_endpoint_port
 
         ranks = range(self.data_parallel_size)
@@ -382,7 +388,7 @@ class Settings(BaseSettings):
         for flag, endpoint in named:
             port = int(endpoint.rsplit(":", 1)[1]) if endpoint.startswith("tcp://") else None
             key = endpoint if port is None else f"port {port}"
-            binds = flag.endswith("replay-endpoint") or "*" in endpoint or "::" in endpoint
+            binds = flag.endswith("replay-endpoint") or publisher_binds(endpoint)
             if port is not None and binds and port == self.port != 0:  # (connect: elsewhere)
                 raise ValueError(f"{flag} {endpoint} takes --port {self.port} (the HTTP port)")
             if key in seen:

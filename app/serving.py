@@ -30,7 +30,7 @@ from app.engine.step_clock import StepCosts
 from app.engine.stop_strings import StopStrings
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
-from app.lora import LoRARegistry, parse_module
+from app.lora import LoRAError, LoRARegistry, parse_module
 from app.metrics import EngineMetrics, ranked_registry
 from app.models.bans import forbids_everything
 from app.models.cached_mock import CachedMockModel
@@ -203,6 +203,8 @@ def kv_event_publisher(settings: Settings, rank: int = 0) -> KVEventPublisher | 
         hash_seed=settings.prefix_caching_hash_seed,
         int_hashes=settings.kv_events_int_hashes,
         encoding=settings.kv_events_encoding,
+        max_replay_clients=settings.kv_events_max_replay_clients,
+        host=settings.host,
     )
     return KVEventPublisher(config, rank)
 
@@ -237,7 +239,10 @@ class Serving:
             self.settings.model_name, settings.max_cpu_loras or settings.max_loras
         )
         for spec in settings.lora_modules if settings.enable_lora else ():
-            self.loras.load(*parse_module(spec))  # LoRAError: refused at start
+            try:
+                self.loras.load(*parse_module(spec))
+            except LoRAError as err:  # refused at start, the module named
+                raise LoRAError(f"--lora-modules {spec}: {err}", err.kind) from None
         ranks = settings.data_parallel_size
         if ranks > 1 and (model is not None or self._real):
             raise UnsupportedFeatureError(

@@ -20,6 +20,10 @@
    is sampled every ~50 ms throughout (p99 and max; a probe times out at 5 s). Each part gives
    up after 90 s (main's requests run for minutes).
 
+6. KV-event replay (``--only kv-replay``): after enough traffic to fill the replay buffer, 20
+   ZeroMQ clients ask for a replay from sequence 0 and never read: server RSS before, while
+   they stay connected, and after they leave.
+
 Run: python benchmarks/edge_attacks.py [--root DIR] [--only NAME ...]   (DIR: a checkout to
 measure, default this one; e.g. --root ../main for the code before the fixes). Only 127.0.0.1
 is used.
@@ -336,12 +340,64 @@ def _status(url: str, timeout: float) -> str:
 # --- end of 4 ---
 
 
+# --- issue 27: the KV-event replay attack --------------------------------------------------
+
+
+def replay_hoarders(root: Path, clients: int = 20, requests: int = 12_000) -> None:
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    import zmq
+
+    pub, rep = free_port(), free_port()
+    flags = ("--enable-prefix-caching", "--kv-events-endpoint", f"tcp://*:{pub}",
+             "--kv-events-replay-endpoint", f"tcp://*:{rep}", "--num-slots", "4",
+             "--kv-cache-tokens", "8192")  # fmt: skip
+    with server(root, *flags) as (pid, port):
+        url, rng = f"http://127.0.0.1:{port}/generate", random.Random(0)
+        prompts = ["".join(rng.choices("abcdefghij ", k=800)) for _ in range(requests)]
+        with httpx.Client(timeout=30) as http, ThreadPoolExecutor(4) as pool:
+            body = {"max_tokens": 1, "stream": False}
+            list(pool.map(lambda p: http.post(url, json={**body, "prompt": p}), prompts))
+        time.sleep(1.0)  # the publisher's thread sends the last batches
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        batches = next((line.split()[-1] for line in metrics.splitlines()
+                        if line.startswith("slotserve:kv_events_batches_total")
+                        and 'outcome="published"' in line), "?")  # fmt: skip
+        before = rss_mib(pid)
+        ctx = zmq.Context()
+        socks = []
+        for _ in range(clients):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.RCVHWM, 1)  # reads nothing: the server's side holds the rest
+            sock.setsockopt(zmq.RCVBUF, 4096)
+            sock.connect(f"tcp://127.0.0.1:{rep}")
+            sock.send_multipart((b"", (0).to_bytes(8, "big")))
+            socks.append(sock)
+        peak = before
+        for _ in range(40):  # 10 s: the replays are answered a chunk per turn
+            time.sleep(0.25)
+            peak = max(peak, rss_mib(pid))
+        during = rss_mib(pid)
+        health = healthy(port, timeout=2)
+        for sock in socks:
+            sock.close(linger=0)
+        ctx.term()
+        time.sleep(3.0)  # the server notices the closed connections
+        after = rss_mib(pid)
+        print(f"6. KV replay, {clients} clients asking from 0 and never reading after {requests} "
+              f"requests ({batches} batches published): RSS {before:.0f} MiB before, peak {peak:.0f} (+{peak - before:.0f}), "
+              f"{during:.0f} after 10 s, {after:.0f} MiB 3 s after they left; /health "
+              f"{'answered' if health else 'did not answer'}")  # fmt: skip
+
+
 ATTACKS = {
     "headers": header_bomb,
     "non-readers": non_readers,
     "slowloris": slowloris,
     "logprobs": logprob_attack,
     "grammar": grammar_attack,
+    "kv-replay": replay_hoarders,
 }
 
 

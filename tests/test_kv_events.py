@@ -27,13 +27,10 @@ from app.engine.core import EngineConfig
 from app.engine.engine import Engine
 from app.engine.prefix_cache import CachedBlock, CacheEvent, CacheEventKind
 from app.engine.types import Sequence
+from app.kv_events import replay
 from app.kv_events.hashing import BlockHasher
-from app.kv_events.publisher import (
-    REPLAY_CHUNK,
-    KVEventPublisher,
-    KVEventsConfig,
-    KVEventsError,
-)
+from app.kv_events.publisher import KVEventPublisher, KVEventsConfig, KVEventsError
+from app.kv_events.replay import CHUNK as REPLAY_CHUNK
 from app.models.cached_mock import CachedMockModel
 from app.serving import Serving
 
@@ -610,3 +607,49 @@ def test_a_refused_start_leaves_no_publisher_behind(tmp_path: Path) -> None:
     finally:
         taken.close(linger=0)
         ctx.term()
+
+
+def test_non_reading_replay_clients_are_dropped_then_reset_away(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 27: a replay client that never reads is dropped once its queue is full and it
+    takes nothing for the stall time; past ``max_replay_clients`` such clients the socket is
+    reset (ZeroMQ frees their queues), and a reading client then gets a whole replay (asking
+    again after a silence, as clients do). ipc endpoints: the reset binds the path again."""
+    monkeypatch.setattr(replay, "STALL_SECONDS", 0.2)
+    publisher = KVEventPublisher(config(tmp_path, max_replay_clients=2))
+    block = CachedBlock(1, None, tuple(range(1000)))  # ~3 KB a batch: past kernel buffers
+    for _ in range(600):
+        publisher.publish([CacheEvent(CacheEventKind.STORED, (block,))])
+    ctx = zmq.Context()
+    hoarders = []
+    try:
+        for _ in range(500):  # (the thread has sent them all once the last is buffered)
+            if publisher._buffer and publisher._buffer[-1][0] == publisher._next_seq - 1:
+                break
+            threading.Event().wait(0.01)
+        for _ in range(3):  # the third is ignored: two clients hold unread answers
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.RCVHWM, 1)
+            sock.setsockopt(zmq.RCVBUF, 4096)
+            sock.connect(str(publisher.replay_endpoint))
+            sock.send_multipart((b"", (0).to_bytes(8, "big")))
+            hoarders.append(sock)
+        server = publisher._replay
+        assert server is not None
+        for _ in range(300):
+            if server.dropped == 2:
+                break
+            threading.Event().wait(0.01)
+        assert (server.dropped, server.refused, server.resets) == (2, 1, 0)
+        reader = Subscriber(publisher.endpoint, str(publisher.replay_endpoint))
+        reader.replay.send_multipart((b"", (0).to_bytes(8, "big")))
+        assert not reader.replay.poll(500)  # this request reset the socket, and went with it
+        assert server.resets == 1
+        assert reader.replay_from(0) == list(range(600))
+        reader.close()
+    finally:
+        for sock in hoarders:
+            sock.close(linger=0)
+        ctx.term()
+        publisher.close()

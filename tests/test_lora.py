@@ -6,6 +6,8 @@ distinct adapters; the others wait), held in every step of a stateful test."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from conftest import ClientFactory, serving_of
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from lora_adapter import adapter_dir
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.cli import check_real_model, parse
@@ -180,6 +183,12 @@ def test_the_lora_fallback_admits_in_the_policys_order() -> None:
 # --- the registry, against a plain reference --------------------------------------------------
 
 
+@functools.cache
+def _adapter_folder() -> str:
+    """One adapter folder for every example of the machine below (made once a session)."""
+    return str(adapter_dir(Path(tempfile.mkdtemp(prefix="slotserve-lora-"))))
+
+
 class RegistryMachine(RuleBasedStateMachine):
     """Loads, unloads and requests per adapter through ``Serving`` against a dict: every answer
     (added, duplicate, missing path, past --max-cpu-loras, unknown) is the reference's."""
@@ -188,14 +197,14 @@ class RegistryMachine(RuleBasedStateMachine):
         super().__init__()
         self.serving = Serving(Settings(enable_lora=True, max_loras=1, max_cpu_loras=3))
         self.reference: dict[str, str] = {}
-        self.existing = str(Path(__file__).parent)
+        self.existing = _adapter_folder()
 
     @rule(name=st.sampled_from(ADAPTERS), exists=st.booleans())
     def load(self, name: str, exists: bool) -> None:
         path = self.existing if exists else "/no/such/adapter"
         expected = (
             "duplicate" if name in self.reference
-            else "not_found" if not exists
+            else "not_loadable" if not exists
             else "too_many" if len(self.reference) >= 3
             else None
         )  # fmt: skip
@@ -243,7 +252,8 @@ TestRegistry.settings = settings(max_examples=40, stateful_step_count=30, deadli
 async def test_load_unload_and_serve_adapters_over_http(
     make_client: ClientFactory, tmp_path: Path
 ) -> None:
-    (tmp_path / "sql").mkdir()
+    adapter_dir(tmp_path / "sql")
+    adapter_dir(tmp_path)
     async with make_client(enable_lora=True, max_loras=1, max_cpu_loras=2,
                            lora_modules=[f"sql={tmp_path / 'sql'}"]) as client:  # fmt: skip
         models = (await client.get("/v1/models")).json()["data"]
@@ -263,7 +273,7 @@ async def test_load_unload_and_serve_adapters_over_http(
         assert third.status_code == 400 and third.json()["error"]["code"] == "too_many_loras"
         missing = await client.post("/v1/load_lora_adapter",
                                     json={"lora_name": "y", "lora_path": "/no/such"})  # fmt: skip
-        assert missing.status_code == 404 and missing.json()["error"]["param"] == "lora_path"
+        assert missing.status_code == 400 and missing.json()["error"]["param"] == "lora_path"
         bad = await client.post("/v1/load_lora_adapter", json={"lora_name": "z"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
 
@@ -292,7 +302,7 @@ async def test_load_unload_and_serve_adapters_over_http(
 async def test_lora_requests_info_names_running_and_waiting_adapters(
     make_client: ClientFactory, tmp_path: Path
 ) -> None:
-    modules = [f"{name}={tmp_path}" for name in ("a", "b")]
+    modules = [f"{name}={adapter_dir(tmp_path)}" for name in ("a", "b")]
     async with make_client(enable_lora=True, max_loras=1, max_cpu_loras=2, num_slots=4,
                            max_num_batched_tokens=4, lora_modules=modules,
                            mock_step_ms=1.0) as client:  # fmt: skip
@@ -319,6 +329,7 @@ async def test_lora_requests_info_names_running_and_waiting_adapters(
 def test_lora_flags_are_checked_at_start(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    adapter_dir(tmp_path)
     _, parsed = parse(["serve", "--enable-lora", "--max-cpu-loras", "2", "--lora-modules",
                        f"a={tmp_path}", f"b={tmp_path}"])  # fmt: skip
     assert parsed.lora_modules == [f"a={tmp_path}", f"b={tmp_path}"]
@@ -330,7 +341,7 @@ def test_lora_flags_are_checked_at_start(
         with pytest.raises(SystemExit):
             parse(["serve", *argv])
         assert "--" in capsys.readouterr().err.strip().splitlines()[-1]
-    with pytest.raises(LoRAError, match="No adapter found for /no/such"):
+    with pytest.raises(LoRAError, match="--lora-modules a=/no/such: no LoRA adapter loads"):
         Serving(Settings(enable_lora=True, lora_modules=["a=/no/such"]))
     with pytest.raises(SystemExit):
         check_real_model(Settings(model="hf:/nowhere", enable_lora=True))
@@ -344,10 +355,11 @@ def test_the_openai_client_names_an_adapter_on_a_real_server(tmp_path: Path) -> 
     from openai import NotFoundError, OpenAI
     from server_process import running_server
 
+    adapter_dir(tmp_path)
     with running_server("--enable-lora", "--lora-modules", f"sql={tmp_path}") as server:
         client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         models = {m.id: m for m in client.models.list()}
-        assert models["sql"].model_extra == {"root": str(tmp_path), "parent": "slotserve-mock"}
+        assert models["sql"].model_extra == {"root": "sql", "parent": "slotserve-mock"}
         reply = client.completions.create(model="sql", prompt="Once ", max_tokens=4)
         assert reply.model == "sql" and reply.choices[0].text
         chat = client.chat.completions.create(

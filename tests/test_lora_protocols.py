@@ -12,6 +12,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from lora_adapter import adapter_dir
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import ServerProcess, running_server, wait_until
 
@@ -20,7 +21,7 @@ HI: list[anthropic.types.MessageParam] = [{"role": "user", "content": "Hi"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    path = tmp_path_factory.mktemp("adapter")
+    path = adapter_dir(tmp_path_factory.mktemp("adapter"))
     with running_server(
         "--enable-lora", "--max-cpu-loras", "2", "--lora-modules", f"sql={path}", f"chat={path}",
         "--num-slots", "1", "--mock-step-ms", "2",

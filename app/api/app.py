@@ -66,7 +66,10 @@ def create_app(settings: Settings | None = None, model: Model | None = None) -> 
         app.include_router(sleep.router)
     if settings.enable_lora:
         app.include_router(lora.router)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    tokenizer_limits = dict.fromkeys(tokenize.ROUTES, tokenize.MAX_BODY_BYTES)
+    app.add_middleware(
+        BodySizeLimit, max_bytes=settings.max_body_bytes, route_limits=tokenizer_limits
+    )
     if serving.api_keys.enabled:  # outermost: before the body is read or parsed
         app.add_middleware(ApiKeyAuth, keys=serving.api_keys)
     app.add_middleware(AnthropicErrors)  # outermost: reshapes even a 401 on /v1/messages

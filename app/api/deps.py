@@ -26,19 +26,23 @@ async def get_key_name(request: Request) -> str | None:
 
 
 RANK_HEADER = "x-data-parallel-rank"
+RANK_DIGITS = 9  # leading zeros allowed; ranks stop at 64
 
 
 def data_parallel_rank(request: Request, serving: Serving) -> int | None:
     """The rank the ``x-data-parallel-rank`` header names (None: absent, the least loaded
-    rank serves); 400 unless it is an integer in [0, --data-parallel-size) written in ASCII
-    digits (``str.isdigit`` also takes digits ``int`` refuses, such as ``²``)."""
+    rank serves); 400 unless it is an integer in [0, --data-parallel-size) written in at most
+    ``RANK_DIGITS`` ASCII digits (``str.isdigit`` also takes digits ``int`` refuses, such as
+    ``²``; past 4,300 digits ``int`` itself refuses). The message quotes at most 32 characters."""
     value = request.headers.get(RANK_HEADER)
     if value is None:
         return None
     ranks, text = serving.settings.data_parallel_size, value.strip()
-    rank = int(text) if text.isascii() and text.isdigit() else -1
+    digits = text.isascii() and text.isdigit() and len(text) <= RANK_DIGITS
+    rank = int(text) if digits else -1
     if not 0 <= rank < ranks:
-        raise APIError(400, f"{RANK_HEADER} must be an integer in [0, {ranks}), got {value!r}",
+        shown = value if len(value) <= 32 else value[:32] + "..."
+        raise APIError(400, f"{RANK_HEADER} must be an integer in [0, {ranks}), got {shown!r}",
                        param=RANK_HEADER, code="invalid_data_parallel_rank")  # fmt: skip
     return rank
 

@@ -8,27 +8,33 @@ from app.api.errors import error_json
 
 
 class BodySizeLimit:
-    """Answers 413 when a request body exceeds ``max_bytes``: at once from ``Content-Length``;
-    a body without one (chunked) is read up to the limit first, then replayed to the app."""
+    """Answers 413 when a request body exceeds ``max_bytes`` (or, on a path ``route_limits``
+    names, the lower of that and its own limit): at once from ``Content-Length``; a body
+    without one (chunked) is read up to the limit first, then replayed to the app."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, route_limits: dict[str, int] | None = None
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.route_limits = {path: min(limit, max_bytes)
+                             for path, limit in (route_limits or {}).items()}  # fmt: skip
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.route_limits.get(scope["path"], self.max_bytes)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None:
-            if declared.isdigit() and int(declared) > self.max_bytes:
-                await self._reject(send)
+            if declared.isdigit() and int(declared) > limit:
+                await self._reject(send, limit)
                 return
             await self.app(scope, receive, send)
             return
-        buffered = await self._read_limited(receive)
+        buffered = await self._read_limited(receive, limit)
         if buffered is None:
-            await self._reject(send)
+            await self._reject(send, limit)
             return
 
         async def replay() -> Message:
@@ -36,8 +42,8 @@ class BodySizeLimit:
 
         await self.app(scope, replay, send)
 
-    async def _read_limited(self, receive: Receive) -> list[Message] | None:
-        """The body's messages, or None once they pass ``max_bytes``."""
+    async def _read_limited(self, receive: Receive, limit: int) -> list[Message] | None:
+        """The body's messages, or None once they pass ``limit`` bytes."""
         messages: list[Message] = []
         size = 0
         while True:
@@ -46,13 +52,13 @@ class BodySizeLimit:
             if message["type"] != "http.request":
                 return messages
             size += len(message.get("body", b""))
-            if size > self.max_bytes:
+            if size > limit:
                 return None
             if not message.get("more_body", False):
                 return messages
 
-    async def _reject(self, send: Send) -> None:
-        body = error_json(413, f"request body exceeds {self.max_bytes} bytes",
+    async def _reject(self, send: Send, limit: int) -> None:
+        body = error_json(413, f"request body exceeds {limit} bytes",
                           "invalid_request_error", "request_too_large")  # fmt: skip
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
         await send({"type": "http.response.start", "status": 413, "headers": headers})

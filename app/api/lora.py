@@ -1,8 +1,9 @@
 """vLLM's runtime LoRA routes, mounted with ``--enable-lora`` (simulated adapters: app/lora.py).
 
 - ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}``: 200 ``Success: LoRA adapter
-  'NAME' added successfully.``; 400 for a name already loaded or past ``--max-cpu-loras``; 404
-  when nothing exists at the path (vLLM's "No adapter found").
+  'NAME' added successfully.``; 400 for a name that is not an adapter name, a name already
+  loaded, past ``--max-cpu-loras``, or a path no adapter loads from (one answer, param
+  ``lora_path``, whatever the reason: see app/lora.py).
 - ``POST /v1/unload_lora_adapter`` ``{"lora_name"}``: 200 ``Success: LoRA adapter 'NAME' removed
   successfully.`` (also while requests still use it: they finish); 404 for an unknown name.
 """
@@ -20,14 +21,15 @@ from app.lora import LoRAError
 
 router = APIRouter(prefix="/v1", tags=["LoRA adapters"])
 
-STATUS = {"not_found": (404, "not_found_error"), "duplicate": (400, "invalid_request_error"),
-          "too_many": (400, "invalid_request_error")}  # fmt: skip
+CODES = {"not_found": "lora_not_found", "not_loadable": "invalid_lora_path",
+         "invalid_name": "invalid_lora_name", "duplicate": "lora_already_loaded",
+         "too_many": "too_many_loras"}  # fmt: skip
 
 
 class LoadLoRAAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     lora_name: Text = Field(min_length=1, max_length=256)
-    lora_path: Text = Field(min_length=1)
+    lora_path: Text = Field(min_length=1)  # (a longer path than app.lora.MAX_PATH: not loadable)
     load_inplace: bool = False  # vLLM's field; an adapter here has no weights to replace
 
 
@@ -38,20 +40,19 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 
 def _refused(err: LoRAError, param: str) -> APIError:
-    status, kind = STATUS[err.kind]
-    code = {"not_found": "lora_not_found", "duplicate": "lora_already_loaded",
-            "too_many": "too_many_loras"}[err.kind]  # fmt: skip
-    return APIError(status, str(err), kind, param=param, code=code)
+    if err.kind == "not_found":
+        return APIError(404, str(err), "not_found_error", param=param, code=CODES[err.kind])
+    return APIError(400, str(err), param=param, code=CODES[err.kind])
 
 
 @router.post("/load_lora_adapter", response_class=PlainTextResponse,
-             responses={400: {"description": "a duplicate name, or past --max-cpu-loras"},
-                        404: {"description": "no adapter at the path"}})  # fmt: skip
+             responses={400: {"description": "a bad or duplicate name, past --max-cpu-loras, "
+                                             "or no adapter loads from the path"}})  # fmt: skip
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, serving: ServingDep) -> str:
     try:
         serving.loras.load(body.lora_name, body.lora_path)
     except LoRAError as err:
-        raise _refused(err, "lora_path" if err.kind == "not_found" else "lora_name") from None
+        raise _refused(err, "lora_path" if err.kind == "not_loadable" else "lora_name") from None
     return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
 

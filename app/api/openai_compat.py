@@ -44,9 +44,11 @@ async def list_models(serving: ServingDep) -> dict[str, Any]:
         "max_model_len": serving.settings.max_model_len,
         "profile": serving.settings.profile,  # the GPU the step clock imitates (null: none)
     }
+    # an adapter's root is its name: vLLM shows its local path there, which tells any caller
+    # where the server keeps files
     adapters = [
         {"id": a.name, "object": "model", "created": int(serving.started_at),
-         "owned_by": "slotserve", "root": a.path, "parent": a.parent}
+         "owned_by": "slotserve", "root": a.name, "parent": a.parent}
         for a in serving.loras.adapters.values()
     ]  # fmt: skip
     return {"object": "list", "data": [model, *adapters]}

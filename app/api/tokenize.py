@@ -7,13 +7,25 @@
 - ``/detokenize``: ``tokens`` -> ``{"prompt": text}``; an id outside the vocabulary is a 400.
 
 ``model``, when given, must be the served model (404 otherwise), as on the OpenAI routes.
+
+The tokenizer's work and the answer's encoding run on one worker thread (``WORKER``), never on
+the event loop: a 1 MiB prompt costs about a second of Python to answer (most of it encoding a
+million ids), which on the loop stalled every other request, ``/health`` too. One thread, so
+concurrent calls queue for it instead of contending with the loop. Their bodies are bounded
+by ``MAX_BODY_BYTES`` whatever ``--max-body-bytes`` is (app/api/limits.py), which bounds the
+work and the answer (about 10 bytes per prompt byte with ``token_strs``).
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any
 
+import msgspec
 from fastapi import APIRouter
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from app.api.deps import ServingDep
@@ -23,6 +35,16 @@ from app.api.schemas import ChatMessage, Text, TokenId
 from app.serving import Serving
 
 router = APIRouter(tags=["tokenizer"])
+ROUTES = ("/tokenize", "/detokenize")
+MAX_BODY_BYTES = 1 << 20  # these routes' body limit (the lower of it and --max-body-bytes)
+WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slotserve-tokenizer")
+
+
+async def _off_the_loop(work: Callable[[], Any]) -> Response:
+    """``work()``'s answer, computed and JSON-encoded on ``WORKER``."""
+    loop = asyncio.get_running_loop()
+    body = await loop.run_in_executor(WORKER, lambda: msgspec.json.encode(work()))
+    return Response(body, media_type="application/json")
 
 
 class TokenizeRequest(BaseModel):
@@ -49,36 +71,42 @@ def _check_model(serving: Serving, model: str | None) -> None:
 
 
 @router.post("/tokenize", responses=ERROR_RESPONSES)
-async def tokenize(body: TokenizeRequest, serving: ServingDep) -> dict[str, Any]:
+async def tokenize(body: TokenizeRequest, serving: ServingDep) -> Response:
     """The token ids of a prompt or a chat, as the generation routes would feed them."""
     _check_model(serving, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give either prompt or messages", param="prompt",
                        code="invalid_value")  # fmt: skip
-    tokenizer = serving.tokenizer
     if body.messages is not None:
         _only(body.add_special_tokens, False, "add_special_tokens")
         _only(body.add_generation_prompt, True, "add_generation_prompt")
-        tokens = tokenizer.chat_prompt([(m.role, m.text()) for m in body.messages])
     else:
-        assert body.prompt is not None
         _only(body.add_special_tokens, True, "add_special_tokens")
-        tokens = tokenizer.encode(body.prompt)
-    strs = [tokenizer.decode([t]) for t in tokens] if body.return_token_strs else None
-    return {"count": len(tokens), "max_model_len": serving.settings.max_model_len,
-            "tokens": tokens, "token_strs": strs}  # fmt: skip
+    tokenizer, max_model_len = serving.tokenizer, serving.settings.max_model_len
+
+    def answer() -> dict[str, Any]:
+        if body.messages is not None:
+            tokens = tokenizer.chat_prompt([(m.role, m.text()) for m in body.messages])
+        else:
+            tokens = tokenizer.encode(body.prompt or "")
+        strs = [tokenizer.decode([t]) for t in tokens] if body.return_token_strs else None
+        return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens,
+                "token_strs": strs}  # fmt: skip
+
+    return await _off_the_loop(answer)
 
 
 @router.post("/detokenize", responses=ERROR_RESPONSES)
-async def detokenize(body: DetokenizeRequest, serving: ServingDep) -> dict[str, Any]:
+async def detokenize(body: DetokenizeRequest, serving: ServingDep) -> Response:
     """The text of token ids (special tokens skipped, as in generated text)."""
     _check_model(serving, body.model)
-    vocab = serving.tokenizer.vocab_size
+    tokenizer = serving.tokenizer
+    vocab = tokenizer.vocab_size
     bad = next((t for t in body.tokens if t >= vocab), None)
     if bad is not None:
         raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})",
                        param="tokens", code="invalid_token_id")  # fmt: skip
-    return {"prompt": serving.tokenizer.decode(body.tokens)}
+    return await _off_the_loop(lambda: {"prompt": tokenizer.decode(body.tokens)})
 
 
 def _only(value: bool | None, default: bool, param: str) -> None:

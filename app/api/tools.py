@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from app.serving import Serving
     from app.structured.constraint import Constraint
 
+# a tool's name, wherever a client sends one that is rendered into the prompt (a tool, an
+# earlier call), on every protocol: OpenAI's pattern, so no name can close a tool-call block
 FunctionName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
 ARGUMENT_FRAGMENT = 24  # characters per streamed argument fragment (when not streamed as made)
 
@@ -66,7 +68,7 @@ class NamedToolChoice(BaseModel):
 class CalledFunction(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    name: StrictStr
+    name: FunctionName  # rendered into the prompt, as a tool's name is
     arguments: StrictStr
 
 

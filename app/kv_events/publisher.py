@@ -17,12 +17,15 @@ waiting events are they dropped: their batch's number is skipped (a gap subscrib
 sequence number) and ``dropped`` counts it. A PUB socket itself drops messages for a subscriber
 past its high-water mark, which is also a gap the replay covers.
 
-Replays never starve publishing: the thread takes one replay request at a time and answers it
-over several loop turns (``REPLAY_CHUNK`` batches per turn, the queue sent in between), up to
-the last batch buffered when the request came. The ROUTER socket's high-water mark holds one
-whole replay (``buffer_steps`` + 1 messages) per client, so a slow reader of one replay loses
-nothing; past it (a client asking again without reading) ZeroMQ drops answers, as in vLLM:
-such a client may miss batches and the end marker, and should time out and ask again.
+Replays never starve publishing: the thread answers them a chunk per loop turn, the queue sent
+in between (app/kv_events/replay.py, which also bounds what unread answers may hold).
+
+Where the sockets listen: a ``*`` host binds where the HTTP server listens (``host``, i.e.
+``--host``: 127.0.0.1 by default; a wildcard ``--host`` such as 0.0.0.0 keeps ``*``, every
+interface); ``tcp://0.0.0.0:P`` (or ``[::]``) binds every interface whatever ``--host`` is.
+Any other host is connected to by the PUB socket (vLLM's rule) and bound by the replay
+socket. A socket bound beyond loopback is logged as a warning at start: events carry prompt
+token ids, so a prompt can be read back from ``BlockStored``.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import zmq
 
 from app.engine.prefix_cache import CacheEvent, CacheEventKind
 from app.kv_events.hashing import BlockHasher, HashAlgo, external
+from app.kv_events.replay import ReplayServer
 from app.kv_events.schema import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -63,7 +67,6 @@ STRUCTS: dict[str, tuple[Any, Any, Any, Any]] = {  # batch, stored, removed, cle
 
 log = logging.getLogger("slotserve.kv_events")
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 ENDPOINT = re.compile(
     r"^(tcp://(\*|\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.:-]+):\d{1,5}|ipc://.+|inproc://.+)$"
 )
@@ -71,7 +74,8 @@ POLL_SECONDS = 0.05  # the thread's wake-up period while idle (serves replays me
 # Once a batch arrives, the thread waits this long for more and sends them all in one go: one
 # wake-up (and one hand-over of the GIL by the engine) per period instead of one per step.
 COALESCE_SECONDS = 0.005
-REPLAY_CHUNK = 500  # replayed batches per loop turn (then the queue is sent, then the rest)
+WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]", "::", "")  # bind every interface
+LOOPBACK = re.compile(r"^(127\.\d+\.\d+\.\d+|localhost|\[::1\])$")
 
 
 class KVEventsError(Exception):
@@ -89,6 +93,35 @@ def check_endpoint(endpoint: str) -> str:
             "or inproc://NAME)"
         )
     return endpoint
+
+
+def _tcp_host(endpoint: str) -> str | None:
+    return endpoint[len("tcp://") :].rsplit(":", 1)[0] if endpoint.startswith("tcp://") else None
+
+
+def binds(endpoint: str) -> bool:
+    """Whether a PUB socket binds ``endpoint`` (vLLM's rule: a wildcard, ipc or inproc
+    address; here ``0.0.0.0`` counts as a wildcard too) rather than connecting to it."""
+    return (
+        _tcp_host(endpoint) in WILDCARD_HOSTS
+        or "::" in endpoint
+        or not endpoint.startswith("tcp://")
+    )
+
+
+def bound_endpoint(endpoint: str, host: str | None) -> str:
+    """The address a bound ``endpoint`` listens on: a ``*`` host becomes ``host`` (the HTTP
+    server's ``--host``), unless that is a wildcard too or None (then ``*`` stays)."""
+    if _tcp_host(endpoint) != "*" or host is None or host in WILDCARD_HOSTS:
+        return endpoint
+    shown = f"[{host}]" if ":" in host else host
+    return f"tcp://{shown}:{endpoint.rsplit(':', 1)[1]}"
+
+
+def beyond_loopback(endpoint: str) -> bool:
+    """Whether a socket bound on ``endpoint`` can be reached from another machine."""
+    host = _tcp_host(endpoint)
+    return host is not None and not LOOPBACK.match(host)
 
 
 def offset_endpoint_port(endpoint: str, rank: int) -> str:
@@ -113,6 +146,8 @@ class KVEventsConfig:
     hwm: int = 100_000
     max_queue_size: int = 10_000
     max_pending_events: int = 100_000  # events held back for a full queue, past it dropped
+    max_replay_clients: int = 8  # clients holding unread replay answers at once (replay.py)
+    host: str | None = None  # what a ``*`` host binds (the HTTP server's; None: every interface)
     block_size: int = 16
     hash_algo: HashAlgo = "sha256"
     hash_seed: str = "0"
@@ -120,13 +155,16 @@ class KVEventsConfig:
     encoding: Encoding = "map"  # vLLM 0.24+'s map events (see app/kv_events/schema.py)
 
 
-def _bind_or_connect(socket: zmq.Socket[bytes], endpoint: str) -> None:
-    """vLLM's convention: bind a wildcard, ipc or inproc address, connect to any other."""
-    wildcard = "*" in endpoint or "::" in endpoint
-    if wildcard or endpoint.startswith(("ipc://", "inproc://")):
-        socket.bind(endpoint)
-    else:
+def _bind_or_connect(socket: zmq.Socket[bytes], endpoint: str, host: str | None) -> str:
+    """Bind (``binds``) or connect ``socket``; returns the address used."""
+    if not binds(endpoint):
         socket.connect(endpoint)
+        return endpoint
+    address = bound_endpoint(endpoint, host)
+    if "[" in address:
+        socket.setsockopt(zmq.IPV6, 1)
+    socket.bind(address)
+    return address
 
 
 class KVEventPublisher:
@@ -142,13 +180,14 @@ class KVEventPublisher:
         self.endpoint = offset_endpoint_port(config.endpoint, data_parallel_rank)
         replay = config.replay_endpoint
         self.replay_endpoint = None if replay is None else offset_endpoint_port(replay, self.rank)
+        if self.replay_endpoint is not None:
+            self.replay_endpoint = bound_endpoint(self.replay_endpoint, config.host)
         self.dropped = 0  # batches dropped past ``max_pending_events`` (a gap in ``seq``)
         self.published = 0  # batches sent on the PUB socket
         self.errors = 0  # batches the thread failed to send (logged)
         self._next_seq = 0
         self._pending: list[CacheEvent] = []  # events a full queue refused, sent with the next
         self._lock = threading.Lock()  # the engine's publish vs the thread's flush of _pending
-        self._replaying: tuple[bytes, int, int] | None = None  # client, next seq, last seq
         self._queue: queue.Queue[tuple[int, float, list[CacheEvent]] | None] = queue.Queue(
             config.max_queue_size
         )
@@ -164,25 +203,33 @@ class KVEventPublisher:
         self._thread = threading.Thread(target=self._run, name="slotserve-kv-events", daemon=True)
         self._thread.start()
 
-    def _open_sockets(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None]:
-        """The PUB socket (bound or connected) and the replay ROUTER (bound), if any;
-        ``KVEventsError`` if either cannot be opened (nothing left open then)."""
+    def _open_sockets(self) -> tuple[zmq.Socket[bytes], ReplayServer | None]:
+        """The PUB socket (bound or connected) and the replay server, if any; ``KVEventsError``
+        if either cannot be opened (nothing left open then). Warns of a socket bound beyond
+        loopback (see the module's docstring)."""
         pub = self._ctx.socket(zmq.PUB)
-        replay: zmq.Socket[bytes] | None = None
+        replay: ReplayServer | None = None
         try:
             pub.set_hwm(self.config.hwm)
-            _bind_or_connect(pub, self.endpoint)
+            self.endpoint = _bind_or_connect(pub, self.endpoint, self.config.host)
             if self.replay_endpoint is not None:
-                replay = self._ctx.socket(zmq.ROUTER)
-                replay.set_hwm(self.config.buffer_steps + 1)  # a whole replay per client
-                replay.bind(self.replay_endpoint)
+                replay = ReplayServer(
+                    self._ctx, self.replay_endpoint, self.config.max_replay_clients
+                )
         except zmq.ZMQError as err:
             pub.close(linger=0)
-            if replay is not None:
-                replay.close(linger=0)
             self._ctx.term()
             where = self.endpoint if replay is None else f"{self.endpoint} / {self.replay_endpoint}"
             raise KVEventsError(f"KV events: cannot open {where}: {err}") from None
+        listening = [e for e in (self.endpoint, self.replay_endpoint)
+                     if e is not None and (e == self.replay_endpoint or binds(e))
+                     and beyond_loopback(e)]  # fmt: skip
+        for endpoint in listening:
+            log.warning(
+                "KV events: %s listens beyond loopback; events carry prompt token ids (a "
+                "prompt can be read from BlockStored): keep it on a trusted network",
+                endpoint,
+            )
         return pub, replay
 
     # --- the engine's side ------------------------------------------------------------------
@@ -219,14 +266,15 @@ class KVEventPublisher:
     def _run(self) -> None:
         try:
             while True:
+                busy = False
                 if self._replay is not None:
                     try:
-                        self._serve_replays()
+                        self._replay.serve(self._buffer)
+                        busy = self._replay.busy
                     except zmq.ZMQError:  # one client's trouble: logged, the thread goes on
-                        self._replaying = None
                         log.exception("KV events: a replay request failed")
                 try:
-                    item = self._queue.get(timeout=0 if self._replaying else POLL_SECONDS)
+                    item = self._queue.get(timeout=0 if busy else self._idle_seconds())
                 except queue.Empty:
                     self._flush_pending()
                     if self._stopping.is_set() and not self._pending:
@@ -243,7 +291,13 @@ class KVEventPublisher:
         finally:
             self._pub.close(linger=0)
             if self._replay is not None:
-                self._replay.close(linger=0)
+                self._replay.close()
+
+    def _idle_seconds(self) -> float:
+        """How long the thread may wait for a batch: shorter while replays wait for clients
+        to read (so they go on soon after)."""
+        paused = self._replay is not None and self._replay.waiting
+        return COALESCE_SECONDS if paused else POLL_SECONDS
 
     def _flush_pending(self) -> None:
         """The queue is empty: send the events a full queue held back, numbered now (the
@@ -284,31 +338,3 @@ class KVEventPublisher:
         if event.kind is CacheEventKind.REMOVED:
             return removed([external(digest(b), as_int) for b in event.blocks], MEDIUM_GPU)
         return cleared()
-
-    def _serve_replays(self) -> None:
-        """Take one replay request if none is being answered, then answer the current one
-        for at most ``REPLAY_CHUNK`` batches (the rest on the next turns), then its end."""
-        assert self._replay is not None
-        if self._replaying is None:
-            if not self._replay.poll(0):
-                return
-            frames = self._replay.recv_multipart()
-            if len(frames) != 3:
-                log.warning("KV events: a replay request of %d frames ignored", len(frames))
-                return
-            client, _, start = frames
-            last = self._buffer[-1][0] if self._buffer else -1
-            self._replaying = (client, int.from_bytes(start, "big"), last)
-        client, first, last = self._replaying
-        sent = 0
-        for seq, payload in self._buffer:
-            if seq > last or sent == REPLAY_CHUNK:
-                break
-            if seq >= first:
-                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-                first, sent = seq + 1, sent + 1
-        if sent == REPLAY_CHUNK and first <= last:
-            self._replaying = (client, first, last)
-            return
-        self._replaying = None
-        self._replay.send_multipart((client, b"", END_SEQ, b""))

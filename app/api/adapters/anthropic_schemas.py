@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from app.api.schemas import MaxTokens, NonEmptyText, Priority, Text, UserName
+from app.api.schemas import NonEmptyText, Priority, Text, UserName
 from app.api.tools import FunctionName
 from app.models.protocol import SamplingParams
 
@@ -27,7 +27,7 @@ class ToolUseBlock(BaseModel):
 
     type: Literal["tool_use"]
     id: Annotated[StrictStr, Field(min_length=1)]
-    name: Annotated[StrictStr, Field(min_length=1)]
+    name: FunctionName  # rendered into the prompt: the tool names' pattern, as OpenAI's
     input: dict[str, Any]
 
 
@@ -108,9 +108,10 @@ class CountTokensRequest(BaseModel):
 
 
 class MessagesRequest(CountTokensRequest):
-    """``POST /v1/messages``. Sampling ranges are Anthropic's (temperature 0-1)."""
+    """``POST /v1/messages``. Sampling ranges are Anthropic's (temperature 0-1), and so is
+    ``max_tokens`` >= 1."""
 
-    max_tokens: MaxTokens
+    max_tokens: Annotated[StrictInt, Field(ge=1)]
     stop_sequences: Annotated[list[NonEmptyText], Field(max_length=16)] = Field(
         default_factory=list
     )

@@ -52,7 +52,7 @@ class FunctionCallItem(BaseModel):
 
     type: Literal["function_call"]
     call_id: Id
-    name: Id
+    name: FunctionName
     arguments: Text
 
 
