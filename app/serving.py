@@ -159,7 +159,6 @@ def engine_config(settings: Settings) -> EngineConfig:
         step_ms=settings.mock_step_ms,
         prefill_token_ms=settings.mock_prefill_ms,
         decode_token_ms=settings.mock_per_seq_ms,
-        jitter=settings.mock_jitter,
         lora_load_ms=settings.lora_switch_ms if settings.enable_lora else 0.0,
     )
     return EngineConfig(
@@ -176,6 +175,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         kv_events=settings.kv_events_endpoint is not None,
         max_loras=settings.max_loras if settings.enable_lora else None,
         step_costs=costs,
+        step_jitter=settings.mock_jitter,
         seed=settings.seed,
     )
 

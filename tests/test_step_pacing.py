@@ -7,7 +7,7 @@ import pytest
 
 from app.engine.core import EngineConfig
 from app.engine.engine import Engine
-from app.engine.step_clock import StepClock, StepCosts
+from app.engine.step_clock import StepClock, StepCosts, StepTimeModel, StepWork
 from app.engine.types import Sequence
 from app.models.mock import MockModel
 
@@ -15,19 +15,21 @@ CLOCK = StepClock(StepCosts(step_ms=5.0, prefill_token_ms=0.01, decode_token_ms=
 
 
 def test_after_idle_a_step_lasts_its_duration_from_its_start() -> None:
-    assert CLOCK.paced_deadline(10.0, 100, 4, None) == pytest.approx(10.0 + 0.0064)
+    assert CLOCK.paced_deadline(10.0, StepWork.counts(100, 4), None) == pytest.approx(10.0 + 0.0064)
 
 
 def test_overhead_under_b0_is_absorbed_so_steps_come_every_duration() -> None:
     previous = 10.0
     # the engine took 3 ms after the previous deadline to plan this step: still 5.4 ms apart
-    assert CLOCK.paced_deadline(previous + 0.003, 0, 4, previous) == pytest.approx(10.0054)
+    assert CLOCK.paced_deadline(previous + 0.003, StepWork.counts(0, 4), previous) == pytest.approx(
+        10.0054
+    )
 
 
 def test_overhead_over_b0_is_only_absorbed_up_to_b0() -> None:
     previous = 10.0
     # 8 ms of overhead: b0 (5 ms) of it is absorbed, the rest delays the step
-    deadline = CLOCK.paced_deadline(previous + 0.008, 0, 4, previous)
+    deadline = CLOCK.paced_deadline(previous + 0.008, StepWork.counts(0, 4), previous)
     assert deadline == pytest.approx(10.008 - 0.005 + 0.0054)
     assert deadline >= previous + 0.008 + 0.0004 - 1e-9  # never before start + b1*p + b2*d
 
@@ -35,22 +37,13 @@ def test_overhead_over_b0_is_only_absorbed_up_to_b0() -> None:
 class RecordingClock(StepClock):
     """Records the ``previous`` deadline the engine passes for each step."""
 
-    def __init__(self, costs: StepCosts) -> None:
+    def __init__(self, costs: StepTimeModel) -> None:
         super().__init__(costs)
         self.previous: list[float | None] = []
 
-    def paced_deadline(
-        self,
-        started_at: float,
-        prefill_tokens: int,
-        decode_tokens: int,
-        previous: float | None,
-        lora_loads: int = 0,
-    ) -> float:
+    def paced_deadline(self, started_at: float, work: StepWork, previous: float | None) -> float:
         self.previous.append(previous)
-        return super().paced_deadline(
-            started_at, prefill_tokens, decode_tokens, previous, lora_loads
-        )
+        return super().paced_deadline(started_at, work, previous)
 
 
 async def test_the_engine_paces_back_to_back_steps_and_restarts_after_idle() -> None:

@@ -18,7 +18,7 @@ from app.engine.prefix_cache import CacheEvent
 from app.engine.runner import ModelRunner
 from app.engine.scheduler import BatchingPolicy, Scheduler, SchedulerConfig
 from app.engine.step import ModelOutput, SchedulerOutput, StepOutcome
-from app.engine.step_clock import NO_STEP_TIME, StepCosts
+from app.engine.step_clock import NO_STEP_TIME, StepTimeModel
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
 
@@ -45,7 +45,8 @@ class EngineConfig:
     # n > 1: choices after the first fork from its prompt cache (``Engine`` turns it off for a
     # model that cannot share prompts; see ``SchedulerConfig.share_prompts``)
     share_prompts: bool = True
-    step_costs: StepCosts = NO_STEP_TIME  # the simulated step time (zero: none)
+    step_costs: StepTimeModel = NO_STEP_TIME  # the simulated step time (zero: none)
+    step_jitter: float = 0.0  # the step clock's jitter (std-dev / mean)
     seed: int = 0  # the step clock's jitter
     # Run each model call in a worker thread, unless the model declares ``blocking = False``
     # (its calls are quick and never wait: a thread hop would cost more than the call).

@@ -28,7 +28,7 @@ from app.engine.errors import (
 )
 from app.engine.runner import close_quietly, make_runner
 from app.engine.step import ModelOutput, SchedulerOutput
-from app.engine.step_clock import StepClock, sleep_until
+from app.engine.step_clock import StepClock, StepWork, sleep_until
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
 from app.engine.worker import ModelWorker
@@ -92,7 +92,7 @@ class Engine:
         self.core = EngineCore(
             make_runner(model, config.num_slots), config, observer, kv_events=kv_events
         )
-        self.clock = StepClock(config.step_costs, config.seed)
+        self.clock = StepClock(config.step_costs, config.seed, config.step_jitter)
         self._inbox: asyncio.Queue[Message] = asyncio.Queue()
         self._idle = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -277,10 +277,8 @@ class Engine:
         else:
             result = await self._worker.run(self.core.runner.execute, out)
         if self.clock.enabled:
-            prefill, decode = out.num_prefill_tokens, out.num_decode_tokens
-            deadline = self.clock.paced_deadline(
-                out.started_at, prefill, decode, self._last_deadline, out.lora_loads
-            )
+            work = StepWork.of(out)
+            deadline = self.clock.paced_deadline(out.started_at, work, self._last_deadline)
             self._last_deadline = deadline
             await sleep_until(deadline, self.core.clock)
         else:
