@@ -31,6 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     for name, field in Settings.model_fields.items():
         _add_flag(serve, name, field.annotation, field.default, field.description or "")
     commands.add_parser("bench", help="load-test a server (slotserve bench --help)", add_help=False)
+    commands.add_parser(
+        "simulate",
+        help="replay a workload in virtual time (slotserve simulate --help)",
+        add_help=False,
+    )
     return parser
 
 
@@ -70,6 +75,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         from app.bench.cli import main as bench
 
         raise SystemExit(bench(args[1:]))
+    if args[:1] == ["simulate"]:  # its own parser: app/simulate/cli.py
+        from app.simulate.cli import main as simulate
+
+        raise SystemExit(simulate(args[1:]))
     command, settings = parse(args)
     if command == "serve":
         serve(settings)
