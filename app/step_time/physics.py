@@ -67,8 +67,18 @@ class Calibration:
         )
 
 
-# Fitted by benchmarks/fidelity_real.py on the shared vLLM H100 measurements (docs/fidelity.md).
-DEFAULT_CALIBRATION = Calibration()
+# Fitted by benchmarks/fidelity_real.py --fit on the shared vLLM H100 measurements (Llama-2-7B
+# TP1, CodeLlama-34B TP2; docs/fidelity.md has the fit and its error).
+DEFAULT_CALIBRATION = Calibration(
+    linear=1.097,
+    attention=1.094,
+    comm=1.0,
+    layer_us=7.58,
+    request_us=20.76,
+    step_us=1216.0,
+    api_ms=6.905,
+    post_ms=0.0,
+)
 
 
 class PhysicsStepTime:
