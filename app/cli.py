@@ -8,6 +8,7 @@ import logging
 import sys
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -39,10 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Other spellings of a Settings field's flag (vLLM's names).
+FLAG_ALIASES = {"model_config_file": ["--model-config"], "num_slots": ["--max-num-seqs"]}
+
+
 def _add_flag(
     parser: argparse.ArgumentParser, name: str, annotation: Any, default: Any, help: str
 ) -> None:
-    flag = "--" + name.replace("_", "-")
+    flags = ["--" + name.replace("_", "-"), *FLAG_ALIASES.get(name, [])]
     env = f"SLOTSERVE_{name.upper()}"
     kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS}
     choices = _literal_choices(annotation)
@@ -56,8 +61,10 @@ def _add_flag(
         kwargs["action"] = argparse.BooleanOptionalAction
     elif annotation in (int, float):
         kwargs["type"] = annotation
+    elif annotation == Path | None:
+        kwargs["type"] = Path
     shown = "(unset)" if default in (None, PydanticUndefined) else default
-    parser.add_argument(flag, help=f"{help} [env {env}; default {shown}]", **kwargs)
+    parser.add_argument(*flags, help=f"{help} [env {env}; default {shown}]", **kwargs)
 
 
 def _literal_choices(annotation: Any) -> list[str] | None:

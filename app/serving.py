@@ -26,7 +26,7 @@ from app.engine.errors import (
 )
 from app.engine.policies import PolicyConfig, PolicyName
 from app.engine.scheduler import BatchingPolicy
-from app.engine.step_clock import StepCosts
+from app.engine.step_clock import StepCosts, StepTimeModel
 from app.engine.stop_strings import StopStrings
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
@@ -155,12 +155,19 @@ def policy_config(settings: Settings) -> PolicyConfig:
 
 def engine_config(settings: Settings) -> EngineConfig:
     """The engine's limits and step clock from the settings."""
-    costs = StepCosts(
+    lora_ms = settings.lora_switch_ms if settings.enable_lora else 0.0
+    costs: StepTimeModel = StepCosts(
         step_ms=settings.mock_step_ms,
         prefill_token_ms=settings.mock_prefill_ms,
         decode_token_ms=settings.mock_per_seq_ms,
-        lora_load_ms=settings.lora_switch_ms if settings.enable_lora else 0.0,
+        lora_load_ms=lora_ms,
     )
+    if settings.model_config_file is not None:  # the physics step time (app/step_time)
+        from app.step_time.settings import physics_step_time
+
+        costs = physics_step_time(
+            settings.model_config_file, settings.gpu, settings.tensor_parallel_size, lora_ms / 1e3
+        )
     return EngineConfig(
         num_slots=settings.num_slots,
         max_waiting=settings.max_waiting,

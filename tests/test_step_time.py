@@ -131,3 +131,54 @@ def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused() -> N
     with pytest.raises(ModelConfigError, match="does not divide the 4 attention heads"):
         PhysicsStepTime(m, UNIT, 3)
     PhysicsStepTime(m, UNIT, 4)  # 4 heads, 2 KV heads (replicated): allowed, as in vLLM
+
+
+# --- serve --model-config -----------------------------------------------------------------
+
+
+def _model_file(tmp_path: Path, config: dict[str, object]) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def test_serve_model_config_presets_vllm_defaults_and_the_physics_clock(tmp_path: Path) -> None:
+    from app.cli import parse
+    from app.serving import engine_config
+
+    path = _model_file(tmp_path, TINY | {"max_position_embeddings": 1024})
+    _, s = parse(["serve", "--model-config", path, "--gpu", "a100-80gb",
+                  "--tensor-parallel-size", "2", "--max-num-seqs", "64"])  # fmt: skip
+    assert s.num_slots == 64  # vLLM's name for the slot count
+    assert s.max_model_len == 1024 and s.enable_prefix_caching  # the model's, vLLM v1's
+    shape = shape_from_config(TINY)
+    expected = kv_cache_tokens(shape, gpu("a100-80gb"), 2, s.max_num_batched_tokens, 64)
+    assert s.kv_cache_tokens == expected
+    clock = engine_config(s).step_costs
+    assert isinstance(clock, PhysicsStepTime) and clock.tp == 2
+    work = StepWork((), (), (100,) * 8, 8)
+    assert clock.seconds(work) == pytest.approx(
+        PhysicsStepTime(shape, gpu("a100-80gb"), 2).seconds(work)
+    )
+    _, s = parse(["serve", "--model-config", path, "--max-model-len", "512",
+                  "--no-enable-prefix-caching"])  # fmt: skip
+    assert s.max_model_len == 512 and not s.enable_prefix_caching  # explicit flags win
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--gpu", "rtx-9090"], "unknown GPU 'rtx-9090'; known: h100-sxm"),
+        (["--tensor-parallel-size", "3"], "does not divide the 4 attention heads"),
+        (["--profile", "llama3.1-8b-h100"], "--model-config and --profile"),
+    ],
+)
+def test_serve_refuses_a_bad_gpu_or_tensor_parallel_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    from app.cli import parse
+
+    with pytest.raises(SystemExit) as exit_:
+        parse(["serve", "--model-config", _model_file(tmp_path, TINY), *flags])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
