@@ -94,7 +94,8 @@ def simulate(
             if longest is not None and len(request.prompt) + request.max_tokens > longest:
                 record.failed, record.error = True, "longer than --max-model-len"
                 continue
-            seq = Sequence(f"r{serial}", list(request.prompt), request.max_tokens, frozenset())
+            seq = Sequence(f"r{serial}", list(request.prompt), request.max_tokens, frozenset(),
+                           priority=request.priority, user=request.user)  # fmt: skip
             serial += 1
             pending.append((record.sent + overheads.api_s, seq, record))
         live: dict[str, tuple[Sequence, RequestRecord]] = {}

@@ -40,11 +40,14 @@ class WorkloadError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class SimRequest:
-    """One request: sent at ``arrival`` (seconds from the start of its stage)."""
+    """One request: sent at ``arrival`` (seconds from the start of its stage); ``priority``
+    and ``user`` as the scheduling policies read them."""
 
     arrival: float
     prompt: list[int]
     max_tokens: int
+    priority: int = 0
+    user: str | None = None
 
 
 @dataclass(slots=True)
