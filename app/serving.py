@@ -12,7 +12,7 @@ import random
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from app.config import Settings
 from app.engine.core import EngineConfig
@@ -153,6 +153,16 @@ def policy_config(settings: Settings) -> PolicyConfig:
     )
 
 
+def physics_admission(settings: Settings) -> dict[str, Any]:
+    """With --model-config: the imitated server's API time before a request may be scheduled,
+    and its late admission (what ``simulate`` replays; docs/fidelity.md)."""
+    if settings.model_config_file is None:
+        return {}
+    from app.step_time.physics import DEFAULT_CALIBRATION
+
+    return {"admission_delay": DEFAULT_CALIBRATION.api_ms / 1000, "late_admission": True}
+
+
 def engine_config(settings: Settings) -> EngineConfig:
     """The engine's limits and step clock from the settings."""
     lora_ms = settings.lora_switch_ms if settings.enable_lora else 0.0
@@ -183,6 +193,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_loras=settings.max_loras if settings.enable_lora else None,
         step_costs=costs,
         step_jitter=settings.mock_jitter,
+        **physics_admission(settings),
         seed=settings.seed,
     )
 

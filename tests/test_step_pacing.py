@@ -3,6 +3,8 @@ steps is taken out of b0 (a GPU server's measured b0 contains its CPU work), nev
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from app.engine.core import EngineConfig
@@ -62,3 +64,35 @@ async def test_the_engine_paces_back_to_back_steps_and_restarts_after_idle() -> 
     first, second = clock.previous[:3], clock.previous[3:]
     assert first[0] is None and second[0] is None
     assert all(p is not None for p in first[1:] + second[1:])
+
+
+async def test_an_admission_delay_holds_a_request_before_the_queue() -> None:
+    config = EngineConfig(num_slots=2, step_costs=StepCosts(step_ms=20.0), admission_delay=0.05)
+    engine = Engine(MockModel(), config)
+    await engine.start()
+    try:
+        seq = Sequence("r0", [72, 105], 2, frozenset())
+        tokens, _, _ = await engine.submit(seq).collect()
+    finally:
+        await engine.stop()
+    assert len(tokens) == 2
+    assert seq.times.first_token is not None
+    assert seq.times.first_token - seq.times.arrival >= 0.05 + 0.02 - 1e-3  # delay, then a step
+
+
+async def test_late_admission_joins_one_step_after_the_next() -> None:
+    """A request arriving while steps run is scheduled one step later than the next one: its
+    first token comes two whole steps after the step it arrived in ends."""
+    config = EngineConfig(num_slots=2, step_costs=StepCosts(step_ms=20.0), late_admission=True)
+    engine = Engine(MockModel(), config)
+    await engine.start()
+    try:
+        long = engine.submit(Sequence("long", [72, 105], 30, frozenset()))
+        await asyncio.sleep(0.1)  # a schedule: let the long request decode a few steps
+        seq = Sequence("late", [72, 105], 2, frozenset())
+        tokens, _, _ = await engine.submit(seq).collect()
+        await long.collect()
+    finally:
+        await engine.stop()
+    assert len(tokens) == 2 and seq.times.first_token is not None
+    assert seq.times.first_token - seq.times.arrival >= 2 * 0.02 - 1e-3
