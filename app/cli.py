@@ -139,6 +139,7 @@ def serve(settings: Settings) -> None:
     from app.engine.errors import UnsupportedFeatureError
     from app.kv_events.publisher import KVEventsError
     from app.lora import LoRAError
+    from app.models.hf.errors import ModelLoadError
     from app.real_model import named, wants_real_model
     from app.server import run
 
@@ -159,6 +160,7 @@ def serve(settings: Settings) -> None:
         UnsupportedFeatureError,
         KVEventsError,
         LoRAError,
+        ModelLoadError,  # --tokenizer's folder
     ) as err:  # e.g. prefix caching on a model
         # without it, a KV-event port in use
         raise SystemExit(f"slotserve: error: {err}") from None

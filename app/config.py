@@ -155,6 +155,11 @@ class Settings(BaseSettings):
     tensor_parallel_size: int = Field(
         1, ge=1, le=64, description="with --model-config: GPUs the model is split over"
     )
+    tokenizer: str | None = Field(
+        None,
+        description="a Hugging Face tokenizer folder: the mocks count prompts and write text in "
+        "its vocabulary (read locally, never fetched)",
+    )
     # --- end physics step time ---
     kv_events_endpoint: str | None = Field(
         None,

@@ -121,12 +121,35 @@ def context_length_error(prompt_len: int, max_tokens: int, context: int) -> Inva
     )  # fmt: skip
 
 
-def build_model(settings: Settings) -> Model:
-    """The built-in mock named by ``settings.model``."""
+def build_model(settings: Settings, tokenizer: Tokenizer | None = None) -> Model:
+    """The built-in mock named by ``settings.model``; with ``tokenizer`` (``--tokenizer``) it
+    writes single-token words of that vocabulary and stops at its EOS."""
     language = MockLanguage(seed=settings.seed, stop_probability=settings.mock_stop_probability)
+    if tokenizer is not None:
+        from app.models.hf.tokenizer import HFTokenizer
+        from app.models.vocabulary import word_ids
+
+        assert isinstance(tokenizer, HFTokenizer)
+        language = MockLanguage(
+            tokenizer.vocab_size,
+            tokenizer.eos_token_id,
+            settings.seed,
+            settings.mock_stop_probability,
+            text=False,
+            words=word_ids(tokenizer),
+        )
     if settings.model == "mock":
         return MockModel(language)
     return CachedMockModel(settings.num_slots, language)
+
+
+def mock_tokenizer(settings: Settings) -> Tokenizer | None:
+    """``--tokenizer``'s tokenizer for the mocks (None: their byte tokenizer)."""
+    if settings.tokenizer is None:
+        return None
+    from app.models.vocabulary import load_tokenizer
+
+    return load_tokenizer(settings.tokenizer)
 
 
 def default_kv_cache_tokens(settings: Settings) -> int:
@@ -242,6 +265,7 @@ class Serving:
         self._engine: Engine | None = None  # rank 0's (the only one without data parallelism)
         self.engines: list[Engine] = []  # one per data-parallel rank, once installed
         self._tokenizer: Tokenizer | None = None
+        self._mock_tokenizer: Tokenizer | None = None  # --tokenizer's, for the mocks
         self._grammars: GrammarCompiler | None = None
         self.asleep: frozenset[str] = frozenset()  # the parts still asleep (see ``sleep``)
         self.sleep_level = 0
@@ -274,8 +298,9 @@ class Serving:
                     metrics.watch_kv_events(publisher)
             self.kv_events = self.rank_events[0]
             if not self._real:
-                model = model if model is not None else build_model(settings)
-                self._install(model, ByteTokenizer())
+                tokenizer = self._mock_tokenizer = mock_tokenizer(settings)
+                model = model if model is not None else build_model(settings, tokenizer)
+                self._install(model, tokenizer or ByteTokenizer())
         except Exception:  # refused at start: no publisher thread is left behind
             for opened in self.rank_events:
                 if opened is not None:
@@ -290,7 +315,7 @@ class Serving:
         self._grammars = grammars or GrammarCompiler(tokenizer)
         config = engine_config(self.settings)
         for rank, metrics in enumerate(self.rank_metrics):
-            rank_model = model if rank == 0 else build_model(self.settings)
+            rank_model = model if rank == 0 else build_model(self.settings, self._mock_tokenizer)
             engine = Engine(rank_model, config, observer=metrics, kv_events=self.rank_events[rank])
             metrics.bind(engine.core)
             if self.settings.enable_lora:
