@@ -182,3 +182,13 @@ def test_serve_refuses_a_bad_gpu_or_tensor_parallel_size(
         parse(["serve", "--model-config", _model_file(tmp_path, TINY), *flags])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_known_model_name_stands_for_its_config() -> None:
+    mixtral = load_model_config("mixtral-8x7b")
+    assert mixtral.moe and mixtral.experts == 8 and mixtral.experts_per_token == 2
+    assert 46e9 < mixtral.params < 47.5e9  # Mixtral 8x7B: 46.7 B parameters
+    assert 8.0e9 < load_model_config("llama-3.1-8b").params < 8.1e9  # 8.03 B
+    assert 6.7e9 < load_model_config("llama-2-7b").params < 6.8e9  # 6.74 B
+    with pytest.raises(ModelConfigError, match="or one of: llama-2-7b"):
+        load_model_config("llama-9")

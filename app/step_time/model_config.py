@@ -9,7 +9,7 @@ time needs is derived here: parameter counts, bytes, FLOPs per token, KV bytes p
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -154,25 +154,28 @@ def shape_from_config(config: dict[str, Any], where: str = "config.json") -> Mod
 
 
 def load_model_config(path: str | Path) -> ModelShape:
-    """Read a config.json (or a model folder holding one)."""
+    """Read a config.json (or a model folder holding one), or a known model's shape by name
+    (``app.step_time.known_models``)."""
+    from app.step_time.known_models import KNOWN_MODELS
+
+    name = str(path)
+    if name.lower() in KNOWN_MODELS and not Path(path).exists():
+        return replace(shape_from_config(KNOWN_MODELS[name.lower()], name), name=name.lower())
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
     try:
         config = json.loads(path.read_text())
     except OSError as exc:
-        raise ModelConfigError(f"cannot read --model-config {path}: {exc.strerror}") from exc
+        known = ", ".join(KNOWN_MODELS)
+        raise ModelConfigError(
+            f"cannot read --model-config {path}: {exc.strerror} (a config.json, or one of: {known})"
+        ) from exc
     except json.JSONDecodeError as exc:
         raise ModelConfigError(f"--model-config {path} is not JSON: {exc}") from exc
     if not isinstance(config, dict):
         raise ModelConfigError(f"--model-config {path} is not a JSON object")
     shape = shape_from_config(config, str(path))
-    if shape.name == str(path) or shape.name == config.get("model_type"):
-        shape = _renamed(shape, path.parent.name if path.name == "config.json" else path.stem)
+    if "_name_or_path" not in config:
+        shape = replace(shape, name=path.parent.name if path.name == "config.json" else path.stem)
     return shape
-
-
-def _renamed(shape: ModelShape, name: str) -> ModelShape:
-    from dataclasses import replace
-
-    return replace(shape, name=name)
