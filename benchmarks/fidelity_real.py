@@ -344,8 +344,9 @@ def main() -> int:
     )
     p.add_argument("--data", type=Path, default=DATA)
     p.add_argument("--fit", action="store_true", help="fit the constants first")
-    p.add_argument("--fit-seconds", type=float, default=120.0)
-    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--fit-seconds", type=float, default=60.0)
+    p.add_argument("--fit-on", default="", help="fit on the experiments whose name has this")
+    p.add_argument("--rounds", type=int, default=6)
     p.add_argument(
         "--seconds", type=float, default=None, help="shorten every stage (default: full)"
     )
@@ -356,11 +357,8 @@ def main() -> int:
     )
     args = p.parse_args()
     experiments = load(args.data)
-    cal = (
-        fit(experiments, args.fit_seconds, args.seed, args.rounds)
-        if args.fit
-        else DEFAULT_CALIBRATION
-    )
+    chosen = [e for e in experiments if args.fit_on in e.name]
+    cal = fit(chosen, args.fit_seconds, args.seed, args.rounds) if args.fit else DEFAULT_CALIBRATION
     print("calibration:", _show(cal))
     rows = evaluate(experiments, cal, args.seed, args.seconds)
     text = markdown(rows, cal)
