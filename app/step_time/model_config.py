@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8": 1, "fp8": 1}
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8": 1, "fp8": 1, "auto": 2}
 
 
 class ModelConfigError(ValueError):
@@ -131,8 +131,12 @@ def shape_from_config(config: dict[str, Any], where: str = "config.json") -> Mod
         if experts and "moe_intermediate_size" in config
         else "intermediate_size"
     )
-    dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
-    if dtype not in DTYPE_BYTES:
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16").lower()
+    size = DTYPE_BYTES.get(dtype) or next((b for k, b in DTYPE_BYTES.items() if k in dtype), None)
+    quant = config.get("quantization_config")
+    if isinstance(quant, dict) and str(quant.get("quant_method", "")).lower() == "fp8":
+        size = 1  # fp8 weights (and vLLM's fp8 GEMMs)
+    if size is None:
         raise ModelConfigError(
             f"{where}: torch_dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}"
         )
@@ -147,7 +151,7 @@ def shape_from_config(config: dict[str, Any], where: str = "config.json") -> Mod
         vocab=_field(config, "vocab_size", where),
         experts=int(experts),
         experts_per_token=int(per_token),
-        dtype_bytes=DTYPE_BYTES[dtype],
+        dtype_bytes=size,
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
         max_position=config.get("max_position_embeddings"),
     )
