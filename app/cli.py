@@ -8,6 +8,7 @@ import logging
 import sys
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -36,13 +37,22 @@ def build_parser() -> argparse.ArgumentParser:
     for name, field in Settings.model_fields.items():
         _add_flag(serve, name, field.annotation, field.default, field.description or "")
     commands.add_parser("bench", help="load-test a server (slotserve bench --help)", add_help=False)
+    commands.add_parser(
+        "simulate",
+        help="replay a workload in virtual time (slotserve simulate --help)",
+        add_help=False,
+    )
     return parser
+
+
+# Other spellings of a Settings field's flag (vLLM's names).
+FLAG_ALIASES = {"model_config_file": ["--model-config"], "num_slots": ["--max-num-seqs"]}
 
 
 def _add_flag(
     parser: argparse.ArgumentParser, name: str, annotation: Any, default: Any, help: str
 ) -> None:
-    flag = "--" + name.replace("_", "-")
+    flags = ["--" + name.replace("_", "-"), *FLAG_ALIASES.get(name, [])]
     env = f"SLOTSERVE_{name.upper()}"
     kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS}
     choices = _literal_choices(annotation)
@@ -56,8 +66,10 @@ def _add_flag(
         kwargs["action"] = argparse.BooleanOptionalAction
     elif annotation in (int, float):
         kwargs["type"] = annotation
+    elif annotation == Path | None:
+        kwargs["type"] = Path
     shown = "(unset)" if default in (None, PydanticUndefined) else default
-    parser.add_argument(flag, help=f"{help} [env {env}; default {shown}]", **kwargs)
+    parser.add_argument(*flags, help=f"{help} [env {env}; default {shown}]", **kwargs)
 
 
 def _literal_choices(annotation: Any) -> list[str] | None:
@@ -75,6 +87,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         from app.bench.cli import main as bench
 
         raise SystemExit(bench(args[1:]))
+    if args[:1] == ["simulate"]:  # its own parser: app/simulate/cli.py
+        from app.simulate.cli import main as simulate
+
+        raise SystemExit(simulate(args[1:]))
     command, settings = parse(args)
     if command == "serve":
         serve(settings)
@@ -128,6 +144,7 @@ def serve(settings: Settings) -> None:
     from app.engine.errors import UnsupportedFeatureError
     from app.kv_events.publisher import KVEventsError
     from app.lora import LoRAError
+    from app.models.hf.errors import ModelLoadError
     from app.real_model import named, wants_real_model
     from app.server import run
 
@@ -148,6 +165,7 @@ def serve(settings: Settings) -> None:
         UnsupportedFeatureError,
         KVEventsError,
         LoRAError,
+        ModelLoadError,  # --tokenizer's folder
     ) as err:  # e.g. prefix caching on a model
         # without it, a KV-event port in use
         raise SystemExit(f"slotserve: error: {err}") from None

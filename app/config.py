@@ -165,6 +165,22 @@ class Settings(BaseSettings):
     enable_prefix_caching: bool = Field(
         False, description="reuse the KV blocks of prompt prefixes already computed"
     )
+    # --- physics step time (issue 28; app/step_time) ---
+    model_config_file: Path | None = Field(
+        None,
+        description="--model-config: a Hugging Face config.json; the mocks' step time comes "
+        "from it on --gpu (roofline, docs/fidelity.md) with vLLM's limits and KV capacity",
+    )
+    gpu: str = Field("h100-sxm", description="with --model-config: the GPU (app/step_time/gpus.py)")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="with --model-config: GPUs the model is split over"
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="a Hugging Face tokenizer folder: the mocks count prompts and write text in "
+        "its vocabulary (read locally, never fetched)",
+    )
+    # --- end physics step time ---
     kv_events_endpoint: str | None = Field(
         None,
         description="publish KV-cache events (vLLM's wire format) on this ZeroMQ PUB address, "
@@ -416,6 +432,26 @@ class Settings(BaseSettings):
                 if name not in explicit:
                     setattr(self, name, value)
             self.__pydantic_fields_set__ = explicit  # presets are not the user's choices
+        return self
+
+    @model_validator(mode="after")
+    def _apply_physics(self) -> Self:
+        """--model-config: check it, the GPU and the tensor-parallel size; fill in vLLM's
+        defaults for every field the user did not set (``app.step_time.settings``)."""
+        if self.model_config_file is None:
+            return self
+        from app.step_time.settings import load_shape, physics_presets
+
+        if self.profile is not None:
+            raise ValueError("--model-config and --profile both set the step clock: pick one")
+        shape = load_shape(self.model_config_file, self.gpu, self.tensor_parallel_size)
+        explicit = set(self.model_fields_set)
+        chosen = {name: getattr(self, name) for name in explicit}
+        for name, value in physics_presets(
+            shape, self.gpu, self.tensor_parallel_size, chosen
+        ).items():
+            setattr(self, name, value)
+        self.__pydantic_fields_set__ = explicit
         return self
 
     @field_validator("model")

@@ -12,7 +12,7 @@ import random
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from app.config import Settings
 from app.engine.core import EngineConfig
@@ -26,7 +26,7 @@ from app.engine.errors import (
 )
 from app.engine.policies import PolicyConfig, PolicyName
 from app.engine.scheduler import BatchingPolicy
-from app.engine.step_clock import StepCosts
+from app.engine.step_clock import StepCosts, StepTimeModel
 from app.engine.stop_strings import StopStrings
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
@@ -121,12 +121,35 @@ def context_length_error(prompt_len: int, max_tokens: int, context: int) -> Inva
     )  # fmt: skip
 
 
-def build_model(settings: Settings) -> Model:
-    """The built-in mock named by ``settings.model``."""
+def build_model(settings: Settings, tokenizer: Tokenizer | None = None) -> Model:
+    """The built-in mock named by ``settings.model``; with ``tokenizer`` (``--tokenizer``) it
+    writes single-token words of that vocabulary and stops at its EOS."""
     language = MockLanguage(seed=settings.seed, stop_probability=settings.mock_stop_probability)
+    if tokenizer is not None:
+        from app.models.hf.tokenizer import HFTokenizer
+        from app.models.vocabulary import word_ids
+
+        assert isinstance(tokenizer, HFTokenizer)
+        language = MockLanguage(
+            tokenizer.vocab_size,
+            tokenizer.eos_token_id,
+            settings.seed,
+            settings.mock_stop_probability,
+            text=False,
+            words=word_ids(tokenizer),
+        )
     if settings.model == "mock":
         return MockModel(language)
     return CachedMockModel(settings.num_slots, language)
+
+
+def mock_tokenizer(settings: Settings) -> Tokenizer | None:
+    """``--tokenizer``'s tokenizer for the mocks (None: their byte tokenizer)."""
+    if settings.tokenizer is None:
+        return None
+    from app.models.vocabulary import load_tokenizer
+
+    return load_tokenizer(settings.tokenizer)
 
 
 def default_kv_cache_tokens(settings: Settings) -> int:
@@ -153,15 +176,31 @@ def policy_config(settings: Settings) -> PolicyConfig:
     )
 
 
+def physics_admission(settings: Settings) -> dict[str, Any]:
+    """With --model-config: the imitated server's API time before a request may be scheduled,
+    and its late admission (what ``simulate`` replays; docs/fidelity.md)."""
+    if settings.model_config_file is None:
+        return {}
+    from app.step_time.physics import DEFAULT_CALIBRATION
+
+    return {"admission_delay": DEFAULT_CALIBRATION.api_ms / 1000, "late_admission": True}
+
+
 def engine_config(settings: Settings) -> EngineConfig:
     """The engine's limits and step clock from the settings."""
-    costs = StepCosts(
+    lora_ms = settings.lora_switch_ms if settings.enable_lora else 0.0
+    costs: StepTimeModel = StepCosts(
         step_ms=settings.mock_step_ms,
         prefill_token_ms=settings.mock_prefill_ms,
         decode_token_ms=settings.mock_per_seq_ms,
-        jitter=settings.mock_jitter,
-        lora_load_ms=settings.lora_switch_ms if settings.enable_lora else 0.0,
+        lora_load_ms=lora_ms,
     )
+    if settings.model_config_file is not None:  # the physics step time (app/step_time)
+        from app.step_time.settings import physics_step_time
+
+        costs = physics_step_time(
+            settings.model_config_file, settings.gpu, settings.tensor_parallel_size, lora_ms / 1e3
+        )
     return EngineConfig(
         num_slots=settings.num_slots,
         max_waiting=settings.max_waiting,
@@ -176,6 +215,8 @@ def engine_config(settings: Settings) -> EngineConfig:
         kv_events=settings.kv_events_endpoint is not None,
         max_loras=settings.max_loras if settings.enable_lora else None,
         step_costs=costs,
+        step_jitter=settings.mock_jitter,
+        **physics_admission(settings),
         seed=settings.seed,
     )
 
@@ -231,6 +272,7 @@ class Serving:
         self._engine: Engine | None = None  # rank 0's (the only one without data parallelism)
         self.engines: list[Engine] = []  # one per data-parallel rank, once installed
         self._tokenizer: Tokenizer | None = None
+        self._mock_tokenizer: Tokenizer | None = None  # --tokenizer's, for the mocks
         self._grammars: GrammarCompiler | None = None
         self.asleep: frozenset[str] = frozenset()  # the parts still asleep (see ``sleep``)
         self.sleep_level = 0
@@ -266,8 +308,9 @@ class Serving:
                     metrics.watch_kv_events(publisher)
             self.kv_events = self.rank_events[0]
             if not self._real:
-                model = model if model is not None else build_model(settings)
-                self._install(model, ByteTokenizer())
+                tokenizer = self._mock_tokenizer = mock_tokenizer(settings)
+                model = model if model is not None else build_model(settings, tokenizer)
+                self._install(model, tokenizer or ByteTokenizer())
         except Exception:  # refused at start: no publisher thread is left behind
             for opened in self.rank_events:
                 if opened is not None:
@@ -282,7 +325,7 @@ class Serving:
         self._grammars = grammars or GrammarCompiler(tokenizer, grammar_budget(self.settings))
         config = engine_config(self.settings)
         for rank, metrics in enumerate(self.rank_metrics):
-            rank_model = model if rank == 0 else build_model(self.settings)
+            rank_model = model if rank == 0 else build_model(self.settings, self._mock_tokenizer)
             engine = Engine(rank_model, config, observer=metrics, kv_events=self.rank_events[rank])
             metrics.bind(engine.core)
             if self.settings.enable_lora:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import re
@@ -192,55 +193,46 @@ def simulate(
     scale: Scale,
     preemption_delay: float = 0.0,
 ) -> None:
-    """The workload through the scheduler alone, in virtual time (see the module docstring)."""
+    """The workload through the scheduler alone, in virtual time (see the module docstring):
+    ``app.simulate.run.simulate`` with the linear step clock, no API time, admission at the
+    next step boundary."""
     from app.engine.policies import PolicyConfig, PolicyName
-    from app.engine.scheduler import Scheduler, SchedulerConfig
-    from app.engine.step import ModelOutput
-    from app.engine.types import Sequence
+    from app.engine.scheduler import SchedulerConfig
+    from app.engine.step_clock import StepClock, StepCosts, StepWork
+    from app.simulate.run import Overheads
+    from app.simulate.run import simulate as replay
+    from app.simulate.workload import SimRequest, Stage, Workload
 
     policy = PolicyConfig(PolicyName(run.policy), preemption_delay=preemption_delay)
     config = SchedulerConfig(SLOTS, max_num_batched_tokens=2048, scheduling=policy)
-    sched, rng, prompt = Scheduler(config), random.Random(7), [1] * len(PROMPT)
+    rng, prompt = random.Random(7), [1] * len(PROMPT)
     arrivals: list[tuple[float, str]] = []
     for kind, rate in streams:
         t = rng.expovariate(rate)
         while t < run.seconds:
             arrivals.append((t, kind))
             t += rng.expovariate(rate)
-    arrivals.sort(reverse=True)
-    seqs: dict[str, tuple[Sequence, Result]] = {}
+    arrivals.sort()
+    kinds = ["long"] * longs + [kind for _, kind in arrivals]
+    requests = [SimRequest(0.0, prompt, scale.long_tokens, 10) for _ in range(longs)]
+    requests += [SimRequest(at, prompt, SHORT_TOKENS, 0, None if kind == "short" else kind)
+                 for at, kind in arrivals]  # fmt: skip
+    window_tokens = 0
 
-    def add(kind: str, at: float, max_tokens: int, priority: int) -> None:
-        user = None if kind in ("short", "long") else kind
-        seq = Sequence(f"r{len(seqs)}", list(prompt), max_tokens, frozenset(), priority=priority,
-                       user=user)  # fmt: skip
-        seqs[seq.request_id] = (seq, Result(kind, at))
-        sched.add(seq, at)
+    def count(start: float, end: float, work: StepWork) -> None:
+        nonlocal window_tokens
+        if end <= run.seconds:
+            window_tokens += work.sampled
 
-    for _ in range(longs):
-        add("long", 0.0, scale.long_tokens, 10)
-    now, generated, window_tokens = 0.0, 0, 0
-    while arrivals or sched.has_work():
-        while arrivals and arrivals[-1][0] <= now:
-            at, kind = arrivals.pop()
-            add(kind, at, SHORT_TOKENS, 0)
-        out = sched.schedule(now)
-        if out.empty:
-            now = arrivals[-1][0] if arrivals else now
-            continue
-        now += (scale.step_ms + scale.prefill_ms * out.num_prefill_tokens) / 1000
-        outcome = sched.update(out, ModelOutput([5] * out.num_outputs), now)
-        generated += outcome.num_generated
-        window_tokens = generated if now <= run.seconds else window_tokens
-        run.preemptions += len(out.preempted)
-    for seq, result in seqs.values():
-        assert seq.times.first_token is not None and seq.times.finished is not None
-        result.ttft, result.e2e = (
-            seq.times.first_token - result.sent,
-            seq.times.finished - result.sent,
-        )
-        result.status, result.tokens = 200, seq.num_generated
+    clock = StepClock(StepCosts(scale.step_ms, scale.prefill_ms))
+    workload = Workload([Stage(requests)], 0.0)
+    (stage,) = replay(workload, config, clock, Overheads(late_admission=False), math.inf, count)
+    for kind, record in zip(kinds, stage.records, strict=True):
+        assert record.first_token is not None and record.last_token is not None
+        result = Result(kind, record.sent, record.first_token - record.sent,
+                        record.last_token - record.sent, record.output_len, 200)  # fmt: skip
         run.results.append(result)
+    run.preemptions = stage.preemptions
     run.tokens_per_s = window_tokens / run.seconds
 
 

@@ -26,7 +26,7 @@ from app.engine.errors import (
 )
 from app.engine.scheduler import BatchingPolicy
 from app.engine.step import ModelOutput, SchedulerOutput, StepOutcome
-from app.engine.step_clock import StepClock, StepCosts, sleep_until
+from app.engine.step_clock import StepClock, StepCosts, StepWork, sleep_until
 from app.engine.stream import Delta, RequestStream
 from app.engine.types import FinishReason, Sequence
 from app.models.cached_mock import CachedMockModel
@@ -640,23 +640,25 @@ async def test_inline_model_calls_still_let_the_event_loop_run_between_steps() -
 
 def test_step_clock_mean_and_enabled() -> None:
     assert not StepCosts().enabled
-    assert StepClock(StepCosts()).duration(100, 8) == 0.0
+    assert StepClock(StepCosts()).duration(StepWork.counts(100, 8)) == 0.0
     costs = StepCosts(step_ms=10, prefill_token_ms=0.5, decode_token_ms=2)
     assert costs.enabled
-    assert StepClock(costs).duration(20, 4) == pytest.approx((10 + 10 + 8) / 1000)
-    assert StepClock(costs).deadline(5.0, 0, 1) == pytest.approx(5.012)
+    assert StepClock(costs).duration(StepWork.counts(20, 4)) == pytest.approx((10 + 10 + 8) / 1000)
+    assert StepClock(costs).deadline(5.0, StepWork.counts(0, 1)) == pytest.approx(5.012)
 
 
 @pytest.mark.parametrize("jitter", [0.1, 0.3, 1.0, 50.0])
 def test_step_clock_jitter_is_capped_at_30_percent(jitter: float) -> None:
-    clock = StepClock(StepCosts(step_ms=100, jitter=jitter), seed=7)
-    samples = [clock.duration(0, 1) for _ in range(3_000)]
+    clock = StepClock(StepCosts(step_ms=100), seed=7, jitter=jitter)
+    samples = [clock.duration(StepWork.counts(0, 1)) for _ in range(3_000)]
     assert min(samples) >= 0.1 * 0.7 - 1e-12  # the documented +-30%
     assert max(samples) <= 0.1 * 1.3 + 1e-12
     assert sum(samples) / len(samples) == pytest.approx(0.1, rel=0.05)
     assert max(samples) > min(samples)  # it does jitter
-    again = StepClock(StepCosts(step_ms=100, jitter=jitter), seed=7)
-    assert [again.duration(0, 1) for _ in range(3_000)] == samples  # seeded: reproducible
+    again = StepClock(StepCosts(step_ms=100), seed=7, jitter=jitter)
+    assert [
+        again.duration(StepWork.counts(0, 1)) for _ in range(3_000)
+    ] == samples  # seeded: reproducible
 
 
 class FakeTime:
@@ -756,8 +758,10 @@ async def test_steps_take_at_least_their_cost_in_real_time() -> None:
 async def test_step_costs_do_not_change_outputs() -> None:
     requests = [Request(f"r{i}", [TAG + i, i], 6 + i) for i in range(5)]
     expected = generate(MockModel(STOPS_OFTEN), requests, 2, STOP)
-    costs = StepCosts(decode_token_ms=0.05, prefill_token_ms=0.01, jitter=0.2)
-    async with running(MockModel(STOPS_OFTEN), num_slots=2, step_costs=costs) as engine:
+    costs = StepCosts(decode_token_ms=0.05, prefill_token_ms=0.01)
+    async with running(
+        MockModel(STOPS_OFTEN), num_slots=2, step_costs=costs, step_jitter=0.2
+    ) as engine:
         streams = [engine.submit(seq(r.request_id, r.prompt, r.max_tokens)) for r in requests]
         results = await asyncio.gather(*(s.collect() for s in streams))
     assert {r.request_id: tokens for r, (tokens, _, _) in zip(requests, results, strict=True)} == (

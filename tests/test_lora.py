@@ -23,7 +23,7 @@ from app.config import Settings
 from app.engine.policies import PolicyConfig, PolicyName
 from app.engine.scheduler import Scheduler, SchedulerConfig
 from app.engine.step import ModelOutput
-from app.engine.step_clock import StepClock, StepCosts
+from app.engine.step_clock import StepClock, StepCosts, StepWork
 from app.engine.types import RequestStatus, Sequence
 from app.lora import LoRAError
 from app.serving import GenerationParams, Serving, engine_config
@@ -372,9 +372,12 @@ def test_the_openai_client_names_an_adapter_on_a_real_server(tmp_path: Path) -> 
 
 def test_the_step_clock_charges_adapter_loads() -> None:
     clock = StepClock(StepCosts(step_ms=1.0, lora_load_ms=5.0))
-    assert clock.duration(0, 4, lora_loads=2) == pytest.approx(0.011)
-    assert clock.paced_deadline(10.0, 0, 4, None, lora_loads=1) == pytest.approx(10.006)
+    assert clock.duration(StepWork.counts(0, 4, lora_loads=2)) == pytest.approx(0.011)
+    assert clock.paced_deadline(10.0, StepWork.counts(0, 4, lora_loads=1), None) == pytest.approx(
+        10.006
+    )
     assert StepCosts(lora_load_ms=5.0).enabled
     settings = Settings(enable_lora=True, lora_switch_ms=7.0)
-    assert engine_config(settings).step_costs.lora_load_ms == 7.0
-    assert engine_config(Settings(lora_switch_ms=7.0)).step_costs.lora_load_ms == 0.0
+    loads = StepWork.counts(0, 0, lora_loads=1)
+    assert engine_config(settings).step_costs.seconds(loads) == pytest.approx(0.007)
+    assert engine_config(Settings(lora_switch_ms=7.0)).step_costs.seconds(loads) == 0.0

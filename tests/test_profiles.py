@@ -14,6 +14,7 @@ from app.cli import parse
 from app.config import Settings
 from app.engine.runner import make_runner
 from app.engine.scheduler import Scheduler
+from app.engine.step_clock import StepWork
 from app.engine.types import RequestStatus, Sequence
 from app.models.cached_mock import CachedMockModel
 from app.models.mock import MockModel
@@ -55,7 +56,9 @@ def test_a_profile_sets_the_step_clock_and_the_limits() -> None:
     assert (s.num_slots, s.max_model_len, s.max_num_batched_tokens) == (256, 8192, 8192)
     assert s.kv_cache_tokens == 426_784
     config = engine_config(s)
-    assert config.step_costs.mean_seconds(1024, 0) == pytest.approx((16442 + 47.8 * 1024) / 1e6)
+    assert config.step_costs.seconds(StepWork.counts(1024, 0)) == pytest.approx(
+        (16442 + 47.8 * 1024) / 1e6
+    )
     assert config.scheduler_config().kv_binds  # 256 x 8192 tokens would need more
 
 

@@ -112,9 +112,10 @@ def test_the_quickstart_make_targets_exist() -> None:
 
 
 def test_the_stand_in_example_runs_against_a_gpu_profile() -> None:
-    stream, metrics = run_section(sections()["A GPU-free stand-in for vLLM"])
-    assert re.fullmatch(r"\d+ chunks, first after \d\.\d{3} s\n", stream)
+    stream, metrics, simulated = run_section(sections()["A GPU-free stand-in for vLLM"])
+    assert re.fullmatch(r"\d+ chunks, the first after \d\.\d{3} s, all after \d\.\d{3} s\n", stream)
     assert "vllm:num_requests_waiting" in metrics and "vllm:kv_cache_usage_perc" in metrics
+    assert "reports in /tmp/simulated" in simulated
 
 
 def test_the_learning_examples_run() -> None:

@@ -20,7 +20,7 @@ from app.engine.runner import ModelRunner
 from app.engine.scheduler import BatchingPolicy, Scheduler, SchedulerConfig
 from app.engine.snapshot import WAITING_SHOWN, EngineSnapshot, SlotView
 from app.engine.step import ModelOutput, SchedulerOutput, StepOutcome
-from app.engine.step_clock import NO_STEP_TIME, StepCosts
+from app.engine.step_clock import NO_STEP_TIME, StepTimeModel
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
 
@@ -47,7 +47,13 @@ class EngineConfig:
     # n > 1: choices after the first fork from its prompt cache (``Engine`` turns it off for a
     # model that cannot share prompts; see ``SchedulerConfig.share_prompts``)
     share_prompts: bool = True
-    step_costs: StepCosts = NO_STEP_TIME  # the simulated step time (zero: none)
+    step_costs: StepTimeModel = NO_STEP_TIME  # the simulated step time (zero: none)
+    step_jitter: float = 0.0  # the step clock's jitter (std-dev / mean)
+    # A request may be scheduled ``admission_delay`` seconds after it arrived (the API time of
+    # the server imitated), and with ``late_admission`` one step later than the next if it
+    # arrived while a step ran (vLLM v1's engine core plans a step ahead; docs/fidelity.md).
+    admission_delay: float = 0.0
+    late_admission: bool = False
     seed: int = 0  # the step clock's jitter
     # Run each model call in a worker thread, unless the model declares ``blocking = False``
     # (its calls are quick and never wait: a thread hop would cost more than the call).

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -28,7 +29,7 @@ from app.engine.errors import (
 )
 from app.engine.runner import close_quietly, make_runner
 from app.engine.step import ModelOutput, SchedulerOutput
-from app.engine.step_clock import StepClock, sleep_until
+from app.engine.step_clock import StepClock, StepWork, sleep_until
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
 from app.engine.worker import ModelWorker
@@ -92,7 +93,7 @@ class Engine:
         self.core = EngineCore(
             make_runner(model, config.num_slots), config, observer, kv_events=kv_events
         )
-        self.clock = StepClock(config.step_costs, config.seed)
+        self.clock = StepClock(config.step_costs, config.seed, config.step_jitter)
         self._inbox: asyncio.Queue[Message] = asyncio.Queue()
         self._idle = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -103,6 +104,11 @@ class Engine:
         self._stopping: asyncio.Task[None] | None = None
         self._stalled_since: float | None = None
         self._last_deadline: float | None = None  # of the step just run (None: idle since)
+        # requests not admissible yet (``admission_delay``, ``late_admission``): (the time they
+        # reach the queue, request), in arrival order
+        self._held: deque[tuple[float, Sequence]] = deque()
+        self._holds = config.admission_delay > 0 or config.late_admission
+        self._step_start = 0.0  # when the step just run was planned
 
     @property
     def alive(self) -> bool:
@@ -204,6 +210,12 @@ class Engine:
     async def _loop(self) -> None:
         core = self.core
         while True:
+            if self._held:
+                self._release_held()
+                if not core.scheduler.has_work():
+                    if not await self._wait_held():
+                        return
+                    continue
             if not core.scheduler.has_work():
                 if self._inbox.empty():  # a submitted request may still be in the inbox
                     await self._close_runner()
@@ -216,6 +228,8 @@ class Engine:
                     return
             if not self._drain_inbox():
                 return
+            if self._held and not core.scheduler.has_work():
+                continue  # only held requests: wait for the first above
             out = core.schedule()
             if not out.empty:
                 self._stalled_since = None
@@ -287,15 +301,47 @@ class Engine:
         else:
             result = runner.execute(out)
         if self.clock.enabled:
-            prefill, decode = out.num_prefill_tokens, out.num_decode_tokens
-            deadline = self.clock.paced_deadline(
-                out.started_at, prefill, decode, self._last_deadline, out.lora_loads
-            )
+            work = StepWork.of(out)
+            deadline = self.clock.paced_deadline(out.started_at, work, self._last_deadline)
             self._last_deadline = deadline
             await sleep_until(deadline, self.core.clock)
+            self._step_start = out.started_at
         else:
             await asyncio.sleep(0)  # let streams, submits and aborts run between steps
         return result
+
+    def _hold(self, seq: Sequence) -> None:
+        """Queue ``seq`` until it is admissible (see ``EngineConfig.admission_delay``)."""
+        self._held.append((seq.times.arrival + self.config.admission_delay, seq))
+
+    def _release_held(self) -> None:
+        """Hand the scheduler every held request now admissible: it reached the queue by now,
+        or, with ``late_admission`` while steps run back to back, before the step just run
+        was planned (as ``app.simulate.run`` does)."""
+        threshold = self.core.clock()
+        busy = self._last_deadline is not None and self.core.scheduler.has_work()
+        if self.config.late_admission and busy:
+            threshold = self._step_start
+        while self._held and self._held[0][0] <= threshold:
+            self.core.add(self._held.popleft()[1])
+
+    async def _wait_held(self) -> bool:
+        """Nothing runs and requests are held: wait for the first to become admissible, or
+        for a message. False once SHUTDOWN is read."""
+        self._last_deadline = None  # idle: the next step does not follow one
+        delay = max(0.0, self._held[0][0] - self.core.clock())
+        try:
+            message = await asyncio.wait_for(self._inbox.get(), delay)
+        except TimeoutError:
+            return True
+        return self._handle(message)
+
+    def _unhold(self, request_id: str | None = None) -> None:
+        """Hand held requests (one, or all) to the scheduler at once, to be aborted there."""
+        for entry in list(self._held):
+            if request_id is None or entry[1].request_id == request_id:
+                self._held.remove(entry)
+                self.core.add(entry[1])
 
     def _drain_inbox(self) -> bool:
         """Apply every queued message; False once SHUTDOWN is read."""
@@ -307,10 +353,15 @@ class Engine:
     def _handle(self, message: Message) -> bool:
         core = self.core
         if isinstance(message, Add):
-            core.add(message.seq)
+            if self._holds:
+                self._hold(message.seq)
+            else:
+                core.add(message.seq)
         elif isinstance(message, Abort):
+            self._unhold(message.request_id)
             core.abort(message.request_id, message.reason)
         elif message is Signal.DRAIN:
+            self._unhold()
             core.abort_waiting()
         elif message is Signal.ABORT_ALL:
             core.abort_all()
@@ -330,6 +381,9 @@ class Engine:
     def _end_leftovers(self, reason: FinishReason, error: BaseException | None) -> None:
         """With the loop gone, end every request it left: queued in the inbox, waiting or
         running in the scheduler, or known only to ``live``."""
+        for _, seq in self._held:
+            self.core.scheduler.waiting.push(seq)
+        self._held.clear()
         while not self._inbox.empty():
             message = self._inbox.get_nowait()
             if isinstance(message, Add):

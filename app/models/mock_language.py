@@ -8,7 +8,9 @@ In text mode (the default) it writes readable English words byte by byte and end
 token after a sentence: it stops only at word ends, on average after about
 ``1.1 / stop_probability`` tokens (measured: mean 108, median 75 at 0.01). In random mode it
 draws token ids uniformly from the vocabulary (never the stop token) and stops with
-``stop_probability`` per token.
+``stop_probability`` per token. With ``words`` (token ids of whole words of a real
+vocabulary, see ``app.models.vocabulary``) it draws from them instead, so its text re-tokenizes
+to the same count.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class MockLanguage:
     seed: int = 0
     stop_probability: float = 1 / 100
     text: bool = True
+    words: tuple[int, ...] = ()  # random mode: draw from these ids (empty: the whole vocabulary)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.stop_probability <= 1.0:
@@ -69,6 +72,8 @@ class MockLanguage:
         key = _mix(self.seed, n, tuple(prefix[:HEAD]), tuple(prefix[-4:]))
         if (key & 0xFFFFFFFF) / 0x100000000 < self.stop_probability or self.vocab_size == 1:
             return self.stop_token
+        if self.words:
+            return self.words[(key >> 32) % len(self.words)]
         token = (key >> 32) % (self.vocab_size - 1)  # any id but the stop token
         return token + (token >= self.stop_token)
 

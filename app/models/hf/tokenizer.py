@@ -56,6 +56,23 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text))
 
+    def pieces(self, text: str) -> list[int]:
+        """``text``'s ids without special tokens (a fragment, not a sequence start)."""
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    @property
+    def length(self) -> int:
+        """Ids in all, added tokens included."""
+        return len(self._tok)
+
+    def token_strings(self) -> list[str]:
+        """Every id's token string (the vocabulary's own spelling), by id."""
+        return [str(t) for t in self._tok.convert_ids_to_tokens(list(range(self.length)))]
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(self._tok.all_special_ids) | self._stop
+
     def decode(self, ids: Sequence[int]) -> str:
         return str(
             self._tok.decode(

@@ -1,0 +1,149 @@
+"""``slotserve simulate``: replay an inference-perf config or a trace on a virtual clock.
+
+    python -m app simulate --inference-perf-config FILE --model-config config.json \\
+        --gpu h100-sxm --tensor-parallel-size 1 --max-num-seqs 128 \\
+        --max-num-batched-tokens 2048 --max-model-len 4096 --output DIR
+
+Writes inference-perf's report files to ``--output`` and prints a short table. vLLM's defaults
+where they shape latency: the KV cache vLLM would get (``app.step_time.physics``), 16-token
+blocks, prefix caching on, chunked prefill (decodes first), preemption by recompute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from app.engine.scheduler import SchedulerConfig
+from app.engine.step_clock import StepClock, StepCosts, StepTimeModel
+from app.simulate.report import Client, reports, table, write_reports
+from app.simulate.run import CLIENT_TIMEOUT, Overheads, simulate
+from app.simulate.workload import Workload, WorkloadError, load_inference_perf, load_trace
+from app.step_time.gpus import UnknownGpuError, gpu
+from app.step_time.model_config import ModelConfigError, load_model_config
+from app.step_time.physics import DEFAULT_CALIBRATION, PhysicsStepTime, kv_cache_tokens
+
+DEFAULT_VOCAB = 32000  # token ids of a linear profile's workload (only their equality matters)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="slotserve simulate",
+        description="Replay a workload through the server's scheduler and step clock in virtual "
+        "time; write inference-perf's report files.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--inference-perf-config", type=Path, help="inference-perf config (YAML/JSON)"
+    )
+    source.add_argument("--trace", type=Path, help="JSONL trace (see app/simulate/workload.py)")
+    hw = p.add_mutually_exclusive_group(required=True)
+    hw.add_argument("--model-config", type=Path, help="the model's Hugging Face config.json")
+    hw.add_argument("--profile", help="a linear BLIS profile instead (app/profiles.py)")
+    p.add_argument("--gpu", default="h100-sxm", help="GPU datasheet (app/step_time/gpus.py)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--max-num-seqs", "--num-slots", dest="max_num_seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-cache-tokens", type=int, default=None, help="default: what vLLM gets")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--client-timestamps-per-token",
+        type=int,
+        default=2,
+        help="2: inference-perf as in the shared measurements; 1: an exact client",
+    )
+    p.add_argument("--client-timeout", type=float, default=CLIENT_TIMEOUT)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", type=Path, default=None, help="directory for the report files")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        model, config, overheads, vocab = _setup(args)
+        workload = _workload(args, vocab)
+    except (ModelConfigError, UnknownGpuError, WorkloadError, ValueError) as exc:
+        parser.error(str(exc))
+    client = Client(
+        args.client_timestamps_per_token, 2 if args.client_timestamps_per_token > 1 else 0
+    )
+    started = time.perf_counter()
+    runs = simulate(workload, config, StepClock(model, args.seed), overheads, args.client_timeout)
+    elapsed = time.perf_counter() - started
+    files = reports(runs, client)
+    if args.output is not None:
+        write_reports(files, args.output)
+    print(table(files, runs))
+    simulated = runs[-1].end if runs else 0.0
+    print(
+        f"simulated {simulated:.0f} s in {elapsed:.1f} s"
+        + (f"; reports in {args.output}" if args.output else "")
+    )
+    return 0
+
+
+def _setup(args: argparse.Namespace) -> tuple[StepTimeModel, SchedulerConfig, Overheads, int]:
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise ValueError("--max-model-len must be >= 1")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+    if args.profile is not None:
+        from app.profiles import PROFILES
+
+        if args.profile not in PROFILES:
+            raise ValueError(f"unknown --profile {args.profile!r}; known: {', '.join(PROFILES)}")
+        preset = PROFILES[args.profile]
+        model: StepTimeModel = StepCosts(preset.step_us / 1000, preset.prefill_token_us / 1000,
+                                         preset.decode_token_us / 1000)  # fmt: skip
+        kv, longest, vocab, overheads = (
+            preset.kv_cache_tokens,
+            args.max_model_len,
+            DEFAULT_VOCAB,
+            Overheads(),
+        )
+    else:
+        shape = load_model_config(args.model_config)
+        device = gpu(args.gpu)
+        tp = args.tensor_parallel_size
+        model = PhysicsStepTime(shape, device, tp)
+        kv = kv_cache_tokens(shape, device, tp, args.max_num_batched_tokens, args.max_num_seqs,
+                             args.gpu_memory_utilization)  # fmt: skip
+        longest = args.max_model_len or shape.max_position
+        vocab = shape.vocab
+        cal = DEFAULT_CALIBRATION
+        overheads = Overheads(cal.api_ms / 1000, cal.post_ms / 1000)
+    if args.kv_cache_tokens is not None:
+        kv = args.kv_cache_tokens
+    if kv < args.block_size:
+        raise ValueError(f"no room for a KV cache: {kv} tokens (the weights fill the GPUs?)")
+    config = SchedulerConfig(
+        num_slots=args.max_num_seqs,
+        max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs),
+        block_size=args.block_size,
+        kv_cache_tokens=kv,
+        max_model_len=longest,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+    return model, config, overheads, vocab
+
+
+def _workload(args: argparse.Namespace, vocab: int) -> Workload:
+    if args.trace is not None:
+        return load_trace(args.trace, vocab, args.seed)
+    return load_inference_perf(args.inference_perf_config, vocab, args.seed)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""What ``--model-config``, ``--gpu`` and ``--tensor-parallel-size`` preset for ``serve``.
+
+vLLM's defaults where they shape latency, for every field the user did not set: the limits of
+``app.profiles.PROFILE_LIMITS`` (vLLM's online defaults on these GPUs; ``max_model_len`` is the
+model's ``max_position_embeddings`` when its config has one), prefix caching on (vLLM v1's
+default), and the KV capacity vLLM would get on that hardware (``physics.kv_cache_tokens``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from app.step_time.gpus import UnknownGpuError, gpu
+from app.step_time.model_config import ModelConfigError, ModelShape, load_model_config
+from app.step_time.physics import PhysicsStepTime, kv_cache_tokens
+
+
+def load_shape(path: str | Path, gpu_name: str, tensor_parallel: int) -> ModelShape:
+    """The model's shape, with the GPU and the tensor-parallel size checked; ``ValueError``
+    naming the flag otherwise."""
+    try:
+        gpu(gpu_name)
+        shape = load_model_config(path)
+        shape.check_tensor_parallel(tensor_parallel)
+    except (ModelConfigError, UnknownGpuError) as exc:
+        raise ValueError(str(exc)) from exc
+    return shape
+
+
+def physics_presets(
+    shape: ModelShape, gpu_name: str, tensor_parallel: int, chosen: dict[str, Any]
+) -> dict[str, Any]:
+    """Settings values for the fields not in ``chosen`` (the user's), given those that are."""
+    from app.profiles import PROFILE_LIMITS
+
+    presets: dict[str, Any] = {"enable_prefix_caching": True}
+    for name, value in PROFILE_LIMITS.items():
+        presets[name] = value
+    if shape.max_position is not None:
+        presets["max_model_len"] = shape.max_position
+    merged = presets | chosen
+    presets["kv_cache_tokens"] = kv_cache_tokens(
+        shape, gpu(gpu_name), tensor_parallel, merged["max_num_batched_tokens"], merged["num_slots"]
+    )
+    return {k: v for k, v in presets.items() if k not in chosen}
+
+
+def physics_step_time(
+    path: str | Path, gpu_name: str, tensor_parallel: int, lora_load_s: float = 0.0
+) -> PhysicsStepTime:
+    shape = load_shape(path, gpu_name, tensor_parallel)
+    return PhysicsStepTime(shape, gpu(gpu_name), tensor_parallel, lora_load_s=lora_load_s)
