@@ -17,6 +17,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from conftest import ClientFactory, serving_of
 from lora_adapter import adapter_dir
 from server_process import ServerProcess, running_server
 
@@ -174,7 +175,8 @@ def test_tokenize_runs_off_the_event_loop(server: ServerProcess) -> None:
     assert [a.status_code for a in answers] == [200] * 4
     answer = answers[0].json()
     assert answer["count"] == 1_000_000 and answer["token_strs"][:2] == ["a", "b"]
-    assert slowest < 0.4, f"/health took {slowest:.2f} s"
+    # a loose bound (the loop's own test is below): on the loop, the four held it for seconds
+    assert slowest < 2.0, f"/health took {slowest:.2f} s"
     tokens = {"tokens": answer["tokens"][:100_000]}
     back = httpx.post(server.url + "/detokenize", json=tokens, timeout=60)
     assert back.json() == {"prompt": "ab" * 50_000}
@@ -191,3 +193,25 @@ def test_the_tokenizer_routes_keep_their_own_body_bound() -> None:
         assert ids.status_code == 413
         body = {"prompt": prompt[: 2 << 19], "max_tokens": 1, "stream": False}
         assert httpx.post(big.url + "/generate", json=body, timeout=60).status_code != 413
+
+
+@pytest.mark.parametrize("route", ["/tokenize", "/detokenize"])
+async def test_the_tokenizer_work_runs_on_its_worker_thread(
+    make_client: ClientFactory, route: str
+) -> None:
+    """Whatever the machine's speed: the tokenizer is called on the routes' worker thread,
+    never on the event loop's."""
+    threads: list[str] = []
+    async with make_client() as client:
+        tokenizer = serving_of(client).tokenizer
+        for name in ("encode", "decode"):
+            method = getattr(tokenizer, name)
+
+            def recorded(*args: object, _method: Callable[..., object] = method) -> object:
+                threads.append(threading.current_thread().name)
+                return _method(*args)
+
+            setattr(tokenizer, name, recorded)
+        body = {"prompt": "hello"} if route == "/tokenize" else {"tokens": [104, 105]}
+        assert (await client.post(route, json=body)).status_code == 200
+    assert threads and all(name.startswith("slotserve-tokenizer") for name in threads), threads
