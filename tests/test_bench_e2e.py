@@ -160,14 +160,22 @@ def running_requests(url: str) -> float:
 
 
 @pytest.mark.parametrize(
-    ("workers", "sig"), [("1", signal.SIGINT), ("2", signal.SIGINT), ("2", signal.SIGTERM)]
+    ("workers", "sig", "group"),
+    [
+        ("1", signal.SIGINT, False),
+        ("2", signal.SIGINT, False),
+        ("2", signal.SIGTERM, False),
+        ("1", signal.SIGINT, True),
+        ("3", signal.SIGINT, True),  # a terminal's Ctrl-C: every process of the group
+    ],
 )
 def test_an_interrupted_run_reports_the_requests_that_ended_as_partial(
-    tmp_path: Path, workers: str, sig: signal.Signals
+    tmp_path: Path, workers: str, sig: signal.Signals, group: bool
 ) -> None:
-    """Ctrl-C (SIGINT) or a SIGTERM to the bench process alone (workers included) ends the
-    run early with its summary, JSON and charts for the requests done so far, marked partial,
-    and the streams still open are closed (the server frees their slots)."""
+    """Ctrl-C at a terminal (SIGINT to the whole process group), or a SIGINT or SIGTERM to the
+    bench process alone (its workers included), ends the run early with its summary, JSON and
+    charts for the requests done so far, marked partial, and the streams still open are closed
+    (the server frees their slots)."""
     with running_server("--num-slots", "8", "--mock-step-ms", "2") as server:
         out, charts = tmp_path / "r.json", tmp_path / "charts"
         before = finished_requests(server.url)
@@ -175,13 +183,16 @@ def test_an_interrupted_run_reports_the_requests_that_ended_as_partial(
             [sys.executable, "-m", "app", "bench", "--url", server.url, "--num-requests", "400",
              "--request-rate", "40", "--output-len", "40", "--workers", workers,
              "--slo", "ttft_ms=100", "--json", str(out), "--report", str(charts)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         )  # fmt: skip
         deadline = time.monotonic() + 30
         while finished_requests(server.url) - before < 10:  # the run is under way
             assert time.monotonic() < deadline and process.poll() is None
             time.sleep(0.05)
-        process.send_signal(sig)
+        if group:
+            os.killpg(process.pid, sig)
+        else:
+            process.send_signal(sig)
         stdout, stderr = process.communicate(timeout=30)
         assert process.returncode == 130, stderr
         assert "partial" in stderr and "Traceback" not in stderr

@@ -159,7 +159,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{output.planned} requests that ended (partial)",
             file=sys.stderr,
         )
-    status = _report(args, output, slo, console)
+    try:
+        status = _report(args, output, slo, console)
+    except KeyboardInterrupt:  # Ctrl-C again while the charts are drawn: what is written stays
+        print("slotserve bench: interrupted while writing the report", file=sys.stderr)
+        return 130
     return 130 if output.partial else status
 
 

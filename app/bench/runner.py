@@ -10,9 +10,10 @@ polls the server (``Monitor``) and reads ``vllm:generation_tokens_total`` before
 
 Interruption: SIGINT (Ctrl-C) or SIGTERM stops a run early without losing it. Each worker stops
 sending, closes the streams still in flight (the server aborts them) and hands back the requests
-that ended; the run's output is then marked ``partial``. The parent forwards the signal to its
-workers, so a SIGTERM sent to the parent alone also ends them cleanly. A second signal gives up
-at once (``Interrupted``).
+that ended; the run's output is then marked ``partial``. Forked workers ignore signals (a
+terminal's Ctrl-C reaches the whole process group): the parent, signalled, sets a shared
+``halt`` flag they watch, so a signal to the parent alone ends them cleanly too. A second signal
+gives up at once (``Interrupted``; the parent kills its workers).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
-import os
 import queue
 import resource
 import signal
@@ -187,8 +187,9 @@ def stop_on_signals(stop: asyncio.Event, also: Callable[[], None] | None = None)
     task = asyncio.current_task()
 
     def on_signal() -> None:
-        if stop.is_set() and task is not None:
-            task.cancel("interrupted twice")
+        if stop.is_set():
+            if task is not None:
+                task.cancel("interrupted twice")
             return
         stop.set()
         if also is not None:
@@ -210,12 +211,19 @@ async def drive(
     concurrency: int | None,
     ready: Callable[[], Awaitable[float]],
     progress: Progress | None,
+    halted: Callable[[], bool] | None = None,
 ) -> WorkerOutput:
     """One worker: warm up, await ``ready()`` (which returns the common start instant), send
-    ``specs`` and measure its own CPU time meanwhile. A signal stops it early (module doc)."""
+    ``specs`` and measure its own CPU time meanwhile. It stops early on a signal (module doc)
+    or, for a forked worker, which ignores signals, once ``halted()`` (its parent's word)."""
     target = make_target(config)
     stop = asyncio.Event()
-    with stop_on_signals(stop):
+    with contextlib.ExitStack() as stack:
+        if halted is None:
+            stack.enter_context(stop_on_signals(stop))
+        else:
+            watch = asyncio.create_task(_watch(halted, stop))
+            stack.callback(watch.cancel)
         async with make_client(config, concurrency or max(1, len(specs))) as client:
             if warmup:
                 await run_specs(client, target, warmup, time.monotonic(), concurrency, None, stop)
@@ -224,6 +232,13 @@ async def drive(
             results = await run_specs(client, target, specs, start, concurrency, progress, stop)
             ended = time.monotonic()
     return WorkerOutput(results, time.process_time() - cpu, ended - start, ended, stop.is_set())
+
+
+async def _watch(halted: Callable[[], bool], stop: asyncio.Event) -> None:
+    """Set ``stop`` once ``halted()`` (a flag shared with another process: polled)."""
+    while not halted():  # noqa: ASYNC110 (another process sets it: no event to await here)
+        await asyncio.sleep(0.05)
+    stop.set()
 
 
 def run(
@@ -309,7 +324,7 @@ def _run_forked(
 ) -> RunOutput:
     context = multiprocessing.get_context("fork")  # before any thread or event loop exists
     messages: Queue[tuple[str, Any]] = context.Queue()
-    go = context.Event()
+    go, halt = context.Event(), context.Event()  # start sending; stop early (module doc)
     start = context.Value("d", 0.0)
     n = config.workers
     processes = [
@@ -322,6 +337,7 @@ def _run_forked(
                 _share(config.concurrency, n, i),
                 messages,
                 go,
+                halt,
                 start,
             ),
             daemon=True,
@@ -331,7 +347,11 @@ def _run_forked(
     for process in processes:
         process.start()
     try:
-        return asyncio.run(_parent(config, specs, processes, messages, go, start, progress))
+        return asyncio.run(_parent(config, specs, processes, messages, go, halt, start, progress))
+    except BaseException:  # given up (a second signal) or failed: the workers' work is lost
+        for process in processes:
+            process.kill()
+        raise
     finally:
         for process in processes:
             process.join(timeout=5)
@@ -345,19 +365,15 @@ async def _parent(
     processes: Sequence[BaseProcess],
     messages: Queue[tuple[str, Any]],
     go: Event,
+    halt: Event,
     start: Any,
     progress: Progress | None,
 ) -> RunOutput:
     books = _Books(config)
     ready, outputs = 0, list[WorkerOutput]()
 
-    def forward() -> None:  # a SIGTERM sent to the parent alone reaches the workers too
-        for process in processes:
-            if process.pid is not None and process.exitcode is None:
-                os.kill(process.pid, signal.SIGTERM)
-
     stop = asyncio.Event()
-    with stop_on_signals(stop, forward):
+    with stop_on_signals(stop, halt.set):  # the workers ignore signals: the parent tells them
         while len(outputs) < config.workers:
             if stop.is_set() and not books.started:  # nothing measured yet: nothing to report
                 raise Interrupted
@@ -398,23 +414,23 @@ def _worker_main(
     concurrency: int | None,
     messages: Queue[tuple[str, Any]],
     go: Event,
+    halt: Event,
     start: Any,
 ) -> None:
     async def ready() -> float:
         messages.put(("ready", None))
         # a process-shared Event: polled, since a thread blocked on it could not be stopped
-        while not go.wait(0):  # noqa: ASYNC110
+        while not go.wait(0) and not halt.is_set():  # noqa: ASYNC110
             await asyncio.sleep(0.01)
         return float(start.value)
 
     def done(result: RequestResult) -> None:
         messages.put(("done", RequestResult(result.index, result.group, 0, status=result.status)))
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # until drive's handlers take over
+    for sig in STOP_SIGNALS:  # a terminal's Ctrl-C reaches every process: the parent decides
+        signal.signal(sig, signal.SIG_IGN)
     try:
-        output = asyncio.run(drive(config, specs, warmup, concurrency, ready, done))
-    except (KeyboardInterrupt, asyncio.CancelledError):  # a second signal: give up
-        return
+        output = asyncio.run(drive(config, specs, warmup, concurrency, ready, done, halt.is_set))
     except Exception as err:  # reported to the parent, which ends the run in one line
         messages.put(("error", f"{type(err).__name__}: {err}"))
         return
