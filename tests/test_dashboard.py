@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -126,3 +127,21 @@ def test_the_page_draws_changing_lanes_in_chromium_without_script_errors(
     body = json.loads(state)
     assert body["errors"] == [] and page.exceptions == []
     assert body["frames"] >= 3 and drawn > 0 and busy.endswith("/ 6")
+
+
+def test_a_drain_ends_every_dashboard_stream_with_a_last_frame(tmp_path: Path) -> None:
+    """SIGTERM: the open streams get a last frame saying ``draining`` and end cleanly, so the
+    shutdown never waits on a dashboard (nor logs an error about one)."""
+    log = tmp_path / "server.log"
+    with log.open("wb") as sink, running_server("--log-level", "info", stderr=sink) as server:
+        frames: list[dict[str, Any]] = []
+        with httpx.stream("GET", f"{server.url}/dashboard/events", timeout=10) as response:
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    frames.append(json.loads(line.removeprefix("data:")))
+                    if len(frames) == 1:
+                        server.terminate()
+        assert frames[-1]["state"] == "draining" and len(frames) >= 2
+        assert server.wait_exit(timeout=30) in (0, -15)  # uvicorn re-raises the SIGTERM it took
+    text = log.read_text()
+    assert "Traceback" not in text and "ERROR" not in text, text

@@ -5,7 +5,9 @@ time, coloured by request (lighter while prefilling, a dark tick at a preemption
 queue, tokens/s, the mean step time and KV usage. Frames are built by one ``DashboardFeed`` per
 app, at most ``FRAME_HZ`` times a second and only while someone watches, so an unwatched server
 pays nothing and every watcher shares each frame. At most ``MAX_WATCHERS`` streams are open at
-once (more: 503). Like ``/metrics`` it is open without an API key, so a frame carries no
+once (more: 503); a watcher that stops reading is dropped after ``SEND_TIMEOUT``, and every
+stream ends, after a last frame, when the server starts draining (so shutdown never waits for
+a dashboard). Like ``/metrics`` it is open without an API key, so a frame carries no
 request id, prompt, text or key name: a request is only a colour (a hue from its id's hash).
 """
 
@@ -26,12 +28,14 @@ from fastapi.responses import HTMLResponse
 from sse_starlette import EventSourceResponse
 
 from app.api.deps import ServingDep
-from app.api.errors import too_many_watchers
+from app.api.errors import not_serving, too_many_watchers
 from app.engine.snapshot import EngineSnapshot, SlotView
 from app.serving import Serving
 
 FRAME_HZ = 4.0  # frames a second while watched
 MAX_WATCHERS = 16  # open event streams; each shares the same frames
+SEND_TIMEOUT = 10.0  # seconds a frame may wait for a watcher that stopped reading: then it goes
+ENDED = frozenset({"draining", "engine_dead"})  # states after which no frame follows
 PAGE = files("app.api").joinpath("dashboard.html").read_text(encoding="utf-8")
 
 router = APIRouter(tags=["operations"])
@@ -83,6 +87,7 @@ class DashboardFeed:
         self._changed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
         self._rates: _Rates | None = None
+        self.ended = False  # the server stopped serving for good: streams end, none start
 
     def frame(self) -> dict[str, Any]:
         """The current state of every rank, plus rates since the previous frame."""
@@ -119,11 +124,12 @@ class DashboardFeed:
             self._task = asyncio.create_task(self._produce())
         seen = self._number
         try:
-            while True:
+            while not self.ended:
                 async with self._changed:
                     await self._changed.wait_for(partial(self._newer_than, seen))
                     seen, frame = self._number, self._frame
-                yield frame
+                if frame:
+                    yield frame
         finally:
             self.watchers -= 1
             if self.watchers == 0 and self._task is not None:
@@ -131,13 +137,15 @@ class DashboardFeed:
                 self._task, self._rates = None, None
 
     def _newer_than(self, number: int) -> bool:
-        return self._number != number
+        return self._number != number or self.ended
 
     async def _produce(self) -> None:
-        while True:
-            frame = json.dumps(self.frame(), separators=(",", ":")).encode()
+        while not self.ended:
+            body = self.frame()
+            frame = json.dumps(body, separators=(",", ":")).encode()
             async with self._changed:
                 self._frame, self._number = frame, self._number + 1
+                self.ended = body["state"] in ENDED  # this frame says so; it is the last
                 self._changed.notify_all()
             await asyncio.sleep(self.interval)
 
@@ -160,6 +168,8 @@ async def dashboard() -> HTMLResponse:
 async def dashboard_events(request: Request, serving: ServingDep) -> EventSourceResponse:
     """Server-sent events: one ``data:`` JSON frame at most ``FRAME_HZ`` times a second."""
     feed = feed_of(request, serving)
+    if feed.ended or serving.state in ENDED:
+        raise not_serving(serving.state)
     if feed.watchers >= MAX_WATCHERS:
         raise too_many_watchers(MAX_WATCHERS)
 
@@ -167,4 +177,4 @@ async def dashboard_events(request: Request, serving: ServingDep) -> EventSource
         async for frame in feed.frames():
             yield {"data": frame.decode()}
 
-    return EventSourceResponse(events(), ping=15)
+    return EventSourceResponse(events(), ping=15, send_timeout=SEND_TIMEOUT)

@@ -208,6 +208,11 @@ def invalid_api_key() -> APIError:
                     headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
 
 
+def not_serving(state: str) -> APIError:
+    """503 while the server does not serve (``state`` says why: draining, engine_dead, ...)."""
+    return APIError(503, f"not serving: {state}", "service_unavailable", code=state)
+
+
 def too_many_watchers(limit: int) -> APIError:
     """503 for a dashboard stream past the open streams' bound (one may close: retry)."""
     return APIError(503, f"at most {limit} dashboards may watch at once", "service_unavailable",
