@@ -39,7 +39,7 @@ from app.models.mock_language import MockLanguage
 from app.models.protocol import DEFAULT_SAMPLING, Model, SamplingParams
 from app.models.tokenizer import ByteTokenizer, Tokenizer
 from app.structured.constraint import Constraint, ConstraintError
-from app.structured.grammar import GrammarBudget, GrammarCompiler
+from app.structured.grammar import GrammarBudget, GrammarCompiler, GrammarSpend
 
 if TYPE_CHECKING:
     from app.kv_events.publisher import KVEventPublisher
@@ -102,6 +102,9 @@ class GenerationParams:
     constraint: Constraint | None = None
     constraint_param: str = "response_format"
     lora: str | None = None  # the LoRA adapter the request names (None: the base model)
+    # The request's grammar time, shared by the choices copied from these params (n, prompts):
+    # the per-request grammar budget bounds the request, not each choice.
+    grammar_spend: GrammarSpend = field(default_factory=GrammarSpend)
 
 
 REJECTION_REASONS: dict[type[EngineError], str] = {
@@ -661,7 +664,7 @@ class Serving:
         constraint = None
         if params.constraint is not None:
             try:
-                constraint = self.grammars.matcher(params.constraint)
+                constraint = self.grammars.matcher(params.constraint, params.grammar_spend)
             except ConstraintError as err:
                 raise InvalidRequestError(
                     f"{params.constraint_param}: {err}", params.constraint_param, "invalid_grammar"

@@ -96,11 +96,33 @@ def test_a_token_over_the_per_token_budget_is_refused_as_the_grammars_limit(
 def test_the_expensive_tokens_work_is_capped_per_request(clock: FakeClock) -> None:
     compiler = GrammarCompiler(TOKENIZER, GrammarBudget(per_token_ms=20, per_request_ms=100))
     matcher = compiler.matcher(Constraint.grammar(ATTACK))
-    # timed from the second token on: 10 tokens of 10 ms make 100 ms, the 11th passes it
-    assert feed(matcher, clock, [10.0] * 20) == 11
+    # the first expensive token counts its wall time, the rest their CPU time: 10 tokens of
+    # 10 ms make 100 ms, the 11th passes it
+    assert feed(matcher, clock, [10.0] * 20) == 10
     refusal = matcher.refusal(ord("a"))
     assert isinstance(refusal, GrammarLimitError)
     assert "(this server allows 100 ms per request)" in str(refusal)
+
+
+def test_cheap_and_expensive_tokens_in_turn_cannot_slip_through(clock: FakeClock) -> None:
+    """Review: a grammar whose tokens alternate 0.1 ms / 50 ms was never charged when only the
+    token after an expensive one was timed. Once expensive, every later token is timed."""
+    compiler = GrammarCompiler(TOKENIZER, GrammarBudget(per_token_ms=20, per_request_ms=1000))
+    matcher = compiler.matcher(Constraint.grammar(ATTACK))
+    # the first 25 ms token joins the request's total; the next is timed, and over 20 ms
+    assert feed(matcher, clock, [0.1, 25.0] * 100) == 3
+    assert "one token took 25 ms" in str(matcher.refusal(ord("a")))
+
+
+def test_the_per_request_budget_is_shared_by_the_choices_of_a_request(clock: FakeClock) -> None:
+    """Review: n choices each had the whole budget (n = 16: 16 s of CPU for one request)."""
+    compiler = GrammarCompiler(TOKENIZER, GrammarBudget(per_token_ms=20, per_request_ms=100))
+    spend = grammar.GrammarSpend()
+    first, second = (compiler.matcher(Constraint.grammar(ATTACK), spend) for _ in range(2))
+    assert feed(first, clock, [5.0] * 10) == 10  # 10 tokens of 5 ms: 50 ms
+    assert feed(second, clock, [5.0] * 20) == 10  # 50 more reach 100 ms: the 11th passes it
+    assert "per request" in str(second.refusal(ord("a")))
+    assert not first.accept(first.choose(ord("a")))  # the first choice is over it too
 
 
 def test_a_zero_budget_is_no_limit(clock: FakeClock) -> None:

@@ -65,19 +65,28 @@ class GrammarBudget:
     ``--max-grammar-ms-per-request``): past either, the matcher gives up on the grammar and the
     request ends with ``GrammarLimitError`` (the client's ``invalid_grammar``), as it does at
     llguidance's own limits. The work is counted in the CPU time of the thread doing it (other
-    processes and the event loop do not count against a request), but only for the tokens that
-    follow a token whose work took ``HEAVY_NS`` or more: typical grammars cost microseconds a
-    token and are never timed that way (a clock read of the thread's CPU costs ~1 us), and a
-    grammar whose cost grows from token to token is timed once it reaches a millisecond. So
-    ``per_request_ms`` bounds the time spent on such expensive tokens, and a token's work is
-    checked against ``per_token_ms`` from the token after the first expensive one on.
-    Zero: no limit."""
+    processes and the event loop do not count against a request), from the first token whose
+    work took ``HEAVY_NS`` or more (by the wall clock) on: typical grammars cost microseconds a
+    token and are never timed that way (a clock read of the thread's CPU costs ~0.5 us), and
+    once a grammar has been expensive every later token of the request is timed, so tokens
+    that alternate between cheap and expensive cannot slip through. That first expensive token
+    counts its wall time. ``per_request_ms`` bounds the time spent from there on by all the
+    request's choices together (their matchers share one ``GrammarSpend``), and each timed
+    token's work is checked against ``per_token_ms``. Zero: no limit."""
 
     per_token_ms: float = 0.0
     per_request_ms: float = 0.0
 
 
 NO_BUDGET = GrammarBudget()
+
+
+@dataclass(slots=True)
+class GrammarSpend:
+    """The CPU time (ns) one request's timed grammar work took, shared by its choices' matchers
+    (``n``, several prompts), so ``per_request_ms`` bounds the request, not each choice."""
+
+    ns: int = 0
 
 
 Steering = tuple[tuple[int, ...], int | None, frozenset[int]]  # closing, number, structural ids
@@ -116,7 +125,7 @@ class GrammarMatcher:
         "_pending",
         "_request_ns",
         "_run",
-        "_spent_ns",
+        "_spend",
         "_steered",
         "_structural",
         "_timed",
@@ -133,9 +142,11 @@ class GrammarMatcher:
         byte_tokens: bool = False,
         ahead: tuple[int, ...] = (),
         budget: GrammarBudget = NO_BUDGET,
+        spend: GrammarSpend | None = None,
     ) -> None:
         """``ahead``: forced tokens ``matcher`` has consumed already (none accepted yet);
-        ``budget``: the CPU time its work may take (see ``GrammarBudget``)."""
+        ``budget``: the CPU time its work may take (see ``GrammarBudget``); ``spend``: the
+        request's running total, shared with its other choices (None: this matcher's own)."""
         self._matcher = matcher
         self._eos = eos
         self._closing, self._number, self._structural = steering
@@ -150,11 +161,11 @@ class GrammarMatcher:
         # the budget in ns (0: none), per token and per request
         self._token_ns = int(budget.per_token_ms * 1e6)
         self._request_ns = int(budget.per_request_ms * 1e6)
-        # a token whose work took this long has the next one's timed (never without a budget)
+        # a token whose work took this long has every later one timed (never without a budget)
         self._heavy_ns = HEAVY_NS if self._token_ns or self._request_ns else 1 << 62
-        self._timed = False  # the current token's work is timed in thread CPU time
+        self._timed = False  # the work is timed in thread CPU time (once it was expensive)
         self._cost_ns = 0  # the current token's work so far (wall time unless timed)
-        self._spent_ns = 0  # the CPU time of the timed tokens' work
+        self._spend = GrammarSpend() if spend is None else spend  # the request's timed work
         self._exceeded: str | None = None  # why the budget gave up on the grammar, if it did
 
     def mask(self) -> bytes:
@@ -195,8 +206,6 @@ class GrammarMatcher:
             self._charge(start)
             if not taken or self._exceeded is not None:
                 return False
-        # the next token's work is timed in CPU time if this one's was expensive
-        self._timed = self._cost_ns >= self._heavy_ns
         self._cost_ns = 0
         self._run = 0 if token in self._structural else self._run + 1
         if not self._ahead:  # (a forced run still ahead: the grammar goes on)
@@ -328,13 +337,20 @@ class GrammarMatcher:
     def _charge(self, start: int) -> None:
         """Count the work since ``start`` (a ``_start`` reading) against the budget; past it,
         give up on the grammar (``_exceeded``: ``accept`` refuses the token, ``refusal`` says
-        why)."""
+        why). Untimed work is summed by the wall clock until a token's reaches ``HEAVY_NS``:
+        that sum joins the request's total (not checked per token: a thread descheduled on a
+        busy machine takes wall time without CPU) and every later call is timed in CPU time."""
         if not self._timed:
             self._cost_ns += perf_counter_ns() - start
-            return
-        cost = thread_time_ns() - start
-        self._cost_ns += cost
-        self._spent_ns += cost
+            if self._cost_ns < self._heavy_ns:
+                return
+            self._timed = True
+            self._spend.ns += self._cost_ns
+            self._cost_ns = 0
+        else:
+            cost = thread_time_ns() - start
+            self._cost_ns += cost
+            self._spend.ns += cost
         if self._exceeded is not None:
             return
         if self._token_ns and self._cost_ns > self._token_ns:
@@ -342,9 +358,9 @@ class GrammarMatcher:
                 f"its work for one token took {self._cost_ns / 1e6:.0f} ms of CPU time "
                 f"(this server allows {self._token_ns / 1e6:g} ms per token)"
             )
-        elif self._request_ns and self._spent_ns > self._request_ns:
+        elif self._request_ns and self._spend.ns > self._request_ns:
             self._exceeded = (
-                f"its work took {self._spent_ns / 1e6:.0f} ms of CPU time on this request's "
+                f"its work took {self._spend.ns / 1e6:.0f} ms of CPU time on this request's "
                 f"expensive tokens (this server allows {self._request_ns / 1e6:g} ms per request)"
             )
 
@@ -379,8 +395,9 @@ class GrammarCompiler:
             frozenset(_single_tokens(tokenizer, tuple(STRUCTURAL))),
         )
 
-    def matcher(self, constraint: Constraint) -> GrammarMatcher:
+    def matcher(self, constraint: Constraint, spend: GrammarSpend | None = None) -> GrammarMatcher:
         """A fresh matcher for ``constraint``; ``ConstraintError`` if it does not compile.
+        ``spend``: the request's grammar time, shared by its choices (None: its own).
 
         The compiled grammars of the last ``TEMPLATES`` distinct constraints (sources of
         ``TEMPLATE_BYTES`` at most in all; a source is at most ``MAX_SOURCE``) are kept, and a
@@ -409,6 +426,7 @@ class GrammarCompiler:
             byte_tokens=self._byte_tokens,
             ahead=forced,
             budget=self.budget,
+            spend=spend,
         )
 
     def _prime(self, template: Any) -> tuple[int, ...]:
