@@ -26,6 +26,9 @@ FAILURE_TYPES = (
 
 
 BUILT_IN_MODELS = ("mock", "cached-mock", "smollm2")
+# --- physics step time: flags that only apply with --model-config, and those it replaces ---
+PHYSICS_ONLY = ("gpu", "tensor_parallel_size")
+LINEAR_CLOCK = ("mock_step_ms", "mock_prefill_ms", "mock_per_seq_ms")
 
 
 class Settings(BaseSettings):
@@ -438,17 +441,26 @@ class Settings(BaseSettings):
     def _apply_physics(self) -> Self:
         """--model-config: check it, the GPU and the tensor-parallel size; fill in vLLM's
         defaults for every field the user did not set (``app.step_time.settings``)."""
+        explicit = set(self.model_fields_set)
         if self.model_config_file is None:
+            needs = [f"--{n.replace('_', '-')}" for n in PHYSICS_ONLY if n in explicit]
+            if needs:
+                raise ValueError(f"{' and '.join(needs)} only apply with --model-config")
             return self
         from app.step_time.settings import load_shape, physics_presets
 
         if self.profile is not None:
             raise ValueError("--model-config and --profile both set the step clock: pick one")
+        linear = [f"--{n.replace('_', '-')}" for n in LINEAR_CLOCK if n in explicit]
+        if linear:
+            raise ValueError(
+                f"{' and '.join(linear)}: --model-config sets the step clock (its physics), "
+                "which these linear step-clock flags would not change: drop one"
+            )
         shape = load_shape(self.model_config_file, self.gpu, self.tensor_parallel_size)
-        explicit = set(self.model_fields_set)
         chosen = {name: getattr(self, name) for name in explicit}
         for name, value in physics_presets(
-            shape, self.gpu, self.tensor_parallel_size, chosen
+            shape, self.gpu, self.tensor_parallel_size, chosen, self.block_size
         ).items():
             setattr(self, name, value)
         self.__pydantic_fields_set__ = explicit
