@@ -174,9 +174,11 @@ class Settings(BaseSettings):
         description="--model-config: a Hugging Face config.json; the mocks' step time comes "
         "from it on --gpu (roofline, docs/fidelity.md) with vLLM's limits and KV capacity",
     )
-    gpu: str = Field("h100-sxm", description="with --model-config: the GPU (app/step_time/gpus.py)")
+    gpu: str = Field(
+        "h100-sxm", description="only with --model-config: the GPU (app/step_time/gpus.py)"
+    )
     tensor_parallel_size: int = Field(
-        1, ge=1, le=64, description="with --model-config: GPUs the model is split over"
+        1, ge=1, le=64, description="only with --model-config: GPUs the model is split over"
     )
     tokenizer: str | None = Field(
         None,
