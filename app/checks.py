@@ -55,9 +55,7 @@ def number(
 ) -> float:
     """``value`` as a finite float within ``[minimum, maximum]`` (and ``> above``)."""
     kind = "a finite number"
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise error(f"{name} must be {kind}, got {value!r}")
-    if not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise error(f"{name} must be {kind}, got {value!r}")
     _check_range(value, name, kind, error, minimum, above, maximum)
     return float(value)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_step_time import TINY as STEP_TINY
 
 from app.engine.scheduler import SchedulerConfig
 from app.engine.step_clock import StepClock, StepCosts
@@ -21,16 +22,7 @@ from app.simulate.run import Overheads, simulate
 from app.simulate.workload import WorkloadError, from_inference_perf, load_trace
 from app.step_time.model_config import ModelConfigError, shape_from_config
 
-TINY = {
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 128,
-    "vocab_size": 100,
-    "max_position_embeddings": 1024,
-    "torch_dtype": "bfloat16",
-}
+TINY = STEP_TINY | {"max_position_embeddings": 1024}
 SHARED = {"num_groups": 2, "num_prompts_per_group": 2, "system_prompt_len": 8,
           "question_len": 8, "output_len": 4}  # fmt: skip
 
