@@ -205,16 +205,14 @@ def _shared_prefix(
     question = spec.get("question_distribution") or spec.get("question_len")
     output = spec.get("output_distribution") or spec.get("output_len")
     prompts: list[Prompt] = []
-    for _ in range(groups):
+    for _ in range(groups):  # (the random draws in inference-perf's order: system, lengths)
+        fits_one = _fits(system_len, 1, max_len)  # else no prompt of the group fits
+        system = tokens.new(system_len, f"{where}.system_prompt_len") if fits_one else []
         questions = _lengths(rng, question, per_group, f"{where}.question_len",
                              0 if system_len else 1)  # fmt: skip
         outputs = _lengths(rng, output, per_group, f"{where}.output_len", 1)
-        fitting = [
-            _fits(system_len + q, o, max_len) for q, o in zip(questions, outputs, strict=True)
-        ]
-        system = tokens.new(system_len, f"{where}.system_prompt_len") if any(fitting) else []
-        for q, o, fits in zip(questions, outputs, fitting, strict=True):
-            if fits:
+        for q, o in zip(questions, outputs, strict=True):
+            if _fits(system_len + q, o, max_len):
                 tokens.charge(system_len, f"{where}.system_prompt_len")  # the copy below
                 prompts.append((system + tokens.new(q, f"{where}.question_len"), o, 0))
             else:
