@@ -26,6 +26,9 @@ FAILURE_TYPES = (
 
 
 BUILT_IN_MODELS = ("mock", "cached-mock", "smollm2")
+# --- physics step time: flags that only apply with --model-config, and those it replaces ---
+PHYSICS_ONLY = ("gpu", "tensor_parallel_size")
+LINEAR_CLOCK = ("mock_step_ms", "mock_prefill_ms", "mock_per_seq_ms")
 
 
 class Settings(BaseSettings):
@@ -171,9 +174,11 @@ class Settings(BaseSettings):
         description="--model-config: a Hugging Face config.json; the mocks' step time comes "
         "from it on --gpu (roofline, docs/fidelity.md) with vLLM's limits and KV capacity",
     )
-    gpu: str = Field("h100-sxm", description="with --model-config: the GPU (app/step_time/gpus.py)")
+    gpu: str = Field(
+        "h100-sxm", description="only with --model-config: the GPU (app/step_time/gpus.py)"
+    )
     tensor_parallel_size: int = Field(
-        1, ge=1, le=64, description="with --model-config: GPUs the model is split over"
+        1, ge=1, le=64, description="only with --model-config: GPUs the model is split over"
     )
     tokenizer: str | None = Field(
         None,
@@ -438,17 +443,26 @@ class Settings(BaseSettings):
     def _apply_physics(self) -> Self:
         """--model-config: check it, the GPU and the tensor-parallel size; fill in vLLM's
         defaults for every field the user did not set (``app.step_time.settings``)."""
+        explicit = set(self.model_fields_set)
         if self.model_config_file is None:
+            needs = [f"--{n.replace('_', '-')}" for n in PHYSICS_ONLY if n in explicit]
+            if needs:
+                raise ValueError(f"{' and '.join(needs)} only apply with --model-config")
             return self
         from app.step_time.settings import load_shape, physics_presets
 
         if self.profile is not None:
             raise ValueError("--model-config and --profile both set the step clock: pick one")
+        linear = [f"--{n.replace('_', '-')}" for n in LINEAR_CLOCK if n in explicit]
+        if linear:
+            raise ValueError(
+                f"{' and '.join(linear)}: --model-config sets the step clock (its physics), "
+                "which these linear step-clock flags would not change: drop one"
+            )
         shape = load_shape(self.model_config_file, self.gpu, self.tensor_parallel_size)
-        explicit = set(self.model_fields_set)
         chosen = {name: getattr(self, name) for name in explicit}
         for name, value in physics_presets(
-            shape, self.gpu, self.tensor_parallel_size, chosen
+            shape, self.gpu, self.tensor_parallel_size, chosen, self.block_size
         ).items():
             setattr(self, name, value)
         self.__pydantic_fields_set__ = explicit

@@ -17,14 +17,26 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from app import checks
 from app.engine.scheduler import SchedulerConfig
 from app.engine.step_clock import StepClock, StepCosts, StepTimeModel
 from app.simulate.report import Client, reports, table, write_reports
 from app.simulate.run import CLIENT_TIMEOUT, Overheads, simulate
-from app.simulate.workload import Workload, WorkloadError, load_inference_perf, load_trace
+from app.simulate.workload import (
+    MAX_REQUEST_TOKENS,
+    Workload,
+    WorkloadError,
+    load_inference_perf,
+    load_trace,
+)
 from app.step_time.gpus import UnknownGpuError, gpu
 from app.step_time.model_config import ModelConfigError, load_model_config
-from app.step_time.physics import DEFAULT_CALIBRATION, PhysicsStepTime, kv_cache_tokens
+from app.step_time.physics import (
+    DEFAULT_CALIBRATION,
+    PhysicsStepTime,
+    kv_cache_tokens,
+    no_kv_room,
+)
 
 DEFAULT_VOCAB = 32000  # token ids of a linear profile's workload (only their equality matters)
 
@@ -44,8 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     hw = p.add_mutually_exclusive_group(required=True)
     hw.add_argument("--model-config", type=Path, help="the model's Hugging Face config.json")
     hw.add_argument("--profile", help="a linear BLIS profile instead (app/profiles.py)")
-    p.add_argument("--gpu", default="h100-sxm", help="GPU datasheet (app/step_time/gpus.py)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument(
+        "--gpu",
+        default=None,
+        help="with --model-config: GPU datasheet (app/step_time/gpus.py); default h100-sxm",
+    )
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=None, help="with --model-config; default 1"
+    )
     p.add_argument("--max-num-seqs", "--num-slots", dest="max_num_seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
@@ -70,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         model, config, overheads, vocab = _setup(args)
-        workload = _workload(args, vocab)
+        workload = _workload(args, vocab, config.max_model_len)
     except (ModelConfigError, UnknownGpuError, WorkloadError, ValueError) as exc:
         parser.error(str(exc))
     client = Client(
@@ -92,15 +110,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _setup(args: argparse.Namespace) -> tuple[StepTimeModel, SchedulerConfig, Overheads, int]:
-    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.max_model_len is not None and args.max_model_len < 1:
-        raise ValueError("--max-model-len must be >= 1")
-    if not 0 < args.gpu_memory_utilization <= 1:
-        raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+    if args.max_model_len is not None:
+        checks.integer(args.max_model_len, "--max-model-len", minimum=1,
+                       maximum=MAX_REQUEST_TOKENS)  # fmt: skip
+    checks.number(args.gpu_memory_utilization, "--gpu-memory-utilization", above=0, maximum=1)
+    checks.positive(args.client_timeout, "--client-timeout")
     if args.profile is not None:
-        from app.profiles import PROFILES
+        flags = [f for f, v in (("--gpu", args.gpu), ("--tensor-parallel-size",
+                 args.tensor_parallel_size)) if v is not None]  # fmt: skip
+        if flags:
+            raise ValueError(f"{' and '.join(flags)} only apply with --model-config")
+        from app.profiles import PROFILE_LIMITS, PROFILES
 
         if args.profile not in PROFILES:
             raise ValueError(f"unknown --profile {args.profile!r}; known: {', '.join(PROFILES)}")
@@ -109,14 +132,14 @@ def _setup(args: argparse.Namespace) -> tuple[StepTimeModel, SchedulerConfig, Ov
                                          preset.decode_token_us / 1000)  # fmt: skip
         kv, longest, vocab, overheads = (
             preset.kv_cache_tokens,
-            args.max_model_len,
+            args.max_model_len or PROFILE_LIMITS["max_model_len"],
             DEFAULT_VOCAB,
             Overheads(),
         )
     else:
         shape = load_model_config(args.model_config)
-        device = gpu(args.gpu)
-        tp = args.tensor_parallel_size
+        device = gpu(args.gpu or "h100-sxm")
+        tp = 1 if args.tensor_parallel_size is None else args.tensor_parallel_size
         model = PhysicsStepTime(shape, device, tp)
         kv = kv_cache_tokens(shape, device, tp, args.max_num_batched_tokens, args.max_num_seqs,
                              args.gpu_memory_utilization)  # fmt: skip
@@ -124,10 +147,14 @@ def _setup(args: argparse.Namespace) -> tuple[StepTimeModel, SchedulerConfig, Ov
         vocab = shape.vocab
         cal = DEFAULT_CALIBRATION
         overheads = Overheads(cal.api_ms / 1000, cal.post_ms / 1000)
+        problem = no_kv_room(kv, args.block_size, shape, device, tp, args.gpu_memory_utilization)
+        if problem is not None and args.kv_cache_tokens is None:
+            raise ValueError(problem)
     if args.kv_cache_tokens is not None:
         kv = args.kv_cache_tokens
     if kv < args.block_size:
-        raise ValueError(f"no room for a KV cache: {kv} tokens (the weights fill the GPUs?)")
+        raise ValueError(f"--kv-cache-tokens {kv} holds less than one {args.block_size}-token "
+                         "block")  # fmt: skip
     config = SchedulerConfig(
         num_slots=args.max_num_seqs,
         max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs),
@@ -139,10 +166,10 @@ def _setup(args: argparse.Namespace) -> tuple[StepTimeModel, SchedulerConfig, Ov
     return model, config, overheads, vocab
 
 
-def _workload(args: argparse.Namespace, vocab: int) -> Workload:
+def _workload(args: argparse.Namespace, vocab: int, max_len: int | None) -> Workload:
     if args.trace is not None:
-        return load_trace(args.trace, vocab, args.seed)
-    return load_inference_perf(args.inference_perf_config, vocab, args.seed)
+        return load_trace(args.trace, vocab, args.seed, max_len)
+    return load_inference_perf(args.inference_perf_config, vocab, args.seed, max_len)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ class RequestRecord:
     output_len: int = 0
     first_token: float | None = None
     last_token: float | None = None
-    done: float | None = None  # the client has the whole response
+    done: float | None = None  # the client has the whole response (or gave up: a timeout)
     failed: bool = False
     error: str = ""
 
@@ -89,9 +89,10 @@ def simulate(
         runs.append(run)
         pending: deque[tuple[float, Sequence, RequestRecord]] = deque()
         for request in stage.requests:
-            record = RequestRecord(run.start + request.arrival, len(request.prompt))
+            record = RequestRecord(run.start + request.arrival, request.prompt_len)
             run.records.append(record)
-            if longest is not None and len(request.prompt) + request.max_tokens > longest:
+            too_long = longest is not None and request.prompt_len + request.max_tokens > longest
+            if request.refused_len or too_long:
                 record.failed, record.error = True, "longer than --max-model-len"
                 continue
             seq = Sequence(f"r{serial}", list(request.prompt), request.max_tokens, frozenset(),
@@ -111,11 +112,12 @@ def simulate(
                 live[seq.request_id] = (seq, record)
                 heapq.heappush(deadlines, (record.sent + timeout, seq.request_id))
             while deadlines and deadlines[0][0] <= now:
-                _, request_id = heapq.heappop(deadlines)
+                deadline, request_id = heapq.heappop(deadlines)
                 if request_id in live:
                     scheduler.abort(request_id, now)
                     record = live.pop(request_id)[1]
                     record.failed, record.error = True, "client timeout"
+                    record.done = deadline  # the client gave up: its latency is the timeout
             out = scheduler.schedule(now)
             if out.empty:
                 upcoming = [pending[0][0]] if pending else []

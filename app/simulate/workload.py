@@ -31,7 +31,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app import checks
+
 BLOCK = 16  # tokens that make a prompt unique: its first block differs from every other's
+# Bounds of what a workload may ask for (a bigger one is refused with a WorkloadError naming
+# the field, before anything is allocated):
+MAX_REQUESTS = 2_000_000  # requests of one simulation (every stage, or a trace's lines)
+MAX_SECONDS = 30 * 86_400  # a stage's duration, a trace's arrival time (30 days)
+MAX_REQUEST_TOKENS = 1 << 21  # one request's prompt or output length (2,097,152 tokens)
+MAX_WORKLOAD_TOKENS = 1 << 28  # prompt tokens a workload makes in all (~2 GiB of token ids)
+MAX_RATE = 1e6  # requests per second of a stage
 
 
 class WorkloadError(ValueError):
@@ -41,13 +50,20 @@ class WorkloadError(ValueError):
 @dataclass(frozen=True, slots=True)
 class SimRequest:
     """One request: sent at ``arrival`` (seconds from the start of its stage); ``priority``
-    and ``user`` as the scheduling policies read them."""
+    and ``user`` as the scheduling policies read them. ``refused_len``: the prompt length of
+    a request longer than the server's max_model_len (its tokens are not made: the server
+    refuses it, as vLLM does, and the replay counts a failure); 0 otherwise."""
 
     arrival: float
     prompt: list[int]
     max_tokens: int
     priority: int = 0
     user: str | None = None
+    refused_len: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return self.refused_len or len(self.prompt)
 
 
 @dataclass(slots=True)
@@ -67,25 +83,31 @@ class Workload:
     source: dict[str, Any] = field(default_factory=dict)
 
 
+# A prompt ready to send: its tokens, max_tokens, and its length if it is refused (too long).
+Prompt = tuple[list[int], int, int]
+
+
 # --- lengths and arrival times ---------------------------------------------------------------
 
 
-def _lengths(rng: random.Random, spec: Any, count: int, what: str) -> list[int]:
-    """``count`` lengths: a fixed int, or a distribution {min, max, mean, std_dev} (a normal,
-    clipped and rounded, as inference-perf draws them)."""
-    if isinstance(spec, int) and not isinstance(spec, bool):
-        if spec < 0:
-            raise WorkloadError(f"{what} must be >= 0, got {spec}")
-        return [spec] * count
+def _length(value: Any, what: str, minimum: int = 0) -> int:
+    return checks.integer(value, what, WorkloadError, minimum=minimum, maximum=MAX_REQUEST_TOKENS)
+
+
+def _lengths(rng: random.Random, spec: Any, count: int, what: str, minimum: int = 0) -> list[int]:
+    """``count`` lengths (each ``>= minimum``): a fixed int, or a distribution {min, max, mean,
+    std_dev} (a normal, clipped and rounded, as inference-perf draws them)."""
     if not isinstance(spec, dict):
-        raise WorkloadError(f"{what} must be an integer or a distribution, got {spec!r}")
+        return [_length(spec, what, minimum)] * count
     try:
-        low, high = int(spec["min"]), int(spec["max"])
-        mean, std = float(spec["mean"]), float(spec.get("std_dev", 0.0))
-    except (KeyError, TypeError, ValueError) as exc:
+        low = _length(spec["min"], f"{what}.min", minimum)
+        high = _length(spec["max"], f"{what}.max", minimum)
+        mean = checks.number(spec["mean"], f"{what}.mean", WorkloadError)
+    except KeyError as exc:
         raise WorkloadError(f"{what}: a distribution needs min, max, mean (and std_dev)") from exc
-    if not low <= mean <= high or std < 0 or low < 0:
-        raise WorkloadError(f"{what}: needs 0 <= min <= mean <= max and std_dev >= 0")
+    std = checks.number(spec.get("std_dev", 0.0), f"{what}.std_dev", WorkloadError, minimum=0)
+    if not low <= mean <= high:
+        raise WorkloadError(f"{what}: needs min <= mean <= max, got {low}, {mean}, {high}")
     return [
         int(min(high, max(low, round(rng.gauss(mean, std) if std else mean)))) for _ in range(count)
     ]
@@ -115,6 +137,8 @@ def _poisson(rng: random.Random, rate: float) -> int:
 
 
 def arrival_times(rng: random.Random, kind: str, rate: float, duration: float) -> list[float]:
+    """A stage's arrival times; ``rate`` and ``duration`` finite and positive (the caller
+    bounds ``rate * duration``)."""
     if kind == "constant":
         return _spread(rng, int(rate * duration), 0.0, duration)
     times: list[float] = []
@@ -128,13 +152,25 @@ def arrival_times(rng: random.Random, kind: str, rate: float, duration: float) -
 
 class _Tokens:
     """Random token ids: a prompt of ``n`` new tokens is a unique first block and then a shared
-    filler (block hashes chain, so every block of it is new to the prefix cache)."""
+    filler (block hashes chain, so every block of it is new to the prefix cache). Counts the
+    tokens the workload's prompts hold: past ``MAX_WORKLOAD_TOKENS``, a ``WorkloadError``."""
 
     def __init__(self, rng: random.Random, vocab: int) -> None:
         self.rng, self.vocab = rng, vocab
         self._filler: list[int] = []
+        self.made = 0
 
-    def new(self, n: int) -> list[int]:
+    def charge(self, n: int, what: str) -> None:
+        """Count ``n`` more prompt tokens (before they are allocated)."""
+        self.made += n
+        if self.made > MAX_WORKLOAD_TOKENS:
+            raise WorkloadError(
+                f"{what}: the workload's prompts exceed {MAX_WORKLOAD_TOKENS} tokens in all "
+                "(simulate's bound): fewer or shorter requests"
+            )
+
+    def new(self, n: int, what: str) -> list[int]:
+        self.charge(n, what)
         head = [self.rng.randrange(self.vocab) for _ in range(min(n, BLOCK))]
         rest = n - len(head)
         while len(self._filler) < rest:
@@ -142,54 +178,89 @@ class _Tokens:
         return head + self._filler[:rest]
 
 
+def _fits(prompt_len: int, output_len: int, max_len: int | None) -> bool:
+    return max_len is None or prompt_len + output_len <= max_len
+
+
+def _shared_prefix(
+    spec: Any, rng: random.Random, tokens: _Tokens, max_len: int | None
+) -> Iterator[Prompt]:
+    where = "data.shared_prefix"
+    if not isinstance(spec, dict):
+        raise WorkloadError(f"{where}: missing (the shared_prefix data's settings)")
+    try:
+        raw = spec["num_groups"], spec["num_prompts_per_group"], spec["system_prompt_len"]
+    except KeyError as exc:
+        raise WorkloadError(f"{where}: missing {exc}") from exc
+    groups = checks.integer(raw[0], f"{where}.num_groups", WorkloadError, minimum=1,
+                            maximum=MAX_REQUESTS)  # fmt: skip
+    per_group = checks.integer(raw[1], f"{where}.num_prompts_per_group", WorkloadError,
+                               minimum=1, maximum=MAX_REQUESTS)  # fmt: skip
+    if groups * per_group > MAX_REQUESTS:
+        raise WorkloadError(
+            f"{where}: num_groups x num_prompts_per_group ({groups * per_group}) exceeds "
+            f"{MAX_REQUESTS} prompts (simulate's bound)"
+        )
+    system_len = _length(raw[2], f"{where}.system_prompt_len")
+    question = spec.get("question_distribution") or spec.get("question_len")
+    output = spec.get("output_distribution") or spec.get("output_len")
+    prompts: list[Prompt] = []
+    for _ in range(groups):  # (the random draws in inference-perf's order: system, lengths)
+        fits_one = _fits(system_len, 1, max_len)  # else no prompt of the group fits
+        system = tokens.new(system_len, f"{where}.system_prompt_len") if fits_one else []
+        questions = _lengths(rng, question, per_group, f"{where}.question_len",
+                             0 if system_len else 1)  # fmt: skip
+        outputs = _lengths(rng, output, per_group, f"{where}.output_len", 1)
+        for q, o in zip(questions, outputs, strict=True):
+            if _fits(system_len + q, o, max_len):
+                tokens.charge(system_len, f"{where}.system_prompt_len")  # the copy below
+                prompts.append((system + tokens.new(q, f"{where}.question_len"), o, 0))
+            else:
+                prompts.append(([], o, system_len + q))
+    rng.shuffle(prompts)
+    i = 0
+    while True:
+        yield prompts[i % len(prompts)]
+        i += 1
+
+
+def _random(
+    config: dict[str, Any], rng: random.Random, tokens: _Tokens, max_len: int | None
+) -> Iterator[Prompt]:
+    dists = {}
+    for name, minimum in (("input_distribution", 1), ("output_distribution", 1)):
+        dist = config.get(name)
+        if not isinstance(dist, dict):
+            raise WorkloadError(f"data.{name}: missing (random data needs it)")
+        count = dist.get("total_count")
+        count = 1000 if count is None else count
+        count = checks.integer(count, f"data.{name}.total_count", WorkloadError, minimum=1,
+                               maximum=MAX_REQUESTS)  # fmt: skip
+        dists[name] = _lengths(rng, dist, count, f"data.{name}", minimum)
+    inputs, outputs = dists["input_distribution"], dists["output_distribution"]
+    n = 0
+    while True:
+        length, output = inputs[n % len(inputs)], outputs[n % len(outputs)]
+        if _fits(length, output, max_len):
+            yield tokens.new(length, "data.input_distribution"), output, 0
+        else:
+            yield [], output, length
+        n += 1
+
+
 def _data(
-    config: dict[str, Any], rng: random.Random, vocab: int
-) -> Iterator[tuple[list[int], int]]:
-    """(prompt, max_tokens) of request 0, 1, 2, ... for the ``data`` section."""
+    config: dict[str, Any], rng: random.Random, vocab: int, max_len: int | None
+) -> Iterator[Prompt]:
+    """The prompts of request 0, 1, 2, ... for the ``data`` section."""
     kind = config.get("type")
     tokens = _Tokens(rng, vocab)
     if kind == "shared_prefix":
-        spec = config.get("shared_prefix")
-        if not isinstance(spec, dict):
-            raise WorkloadError("data.shared_prefix: missing (the shared_prefix data's settings)")
-        try:
-            groups, per_group = int(spec["num_groups"]), int(spec["num_prompts_per_group"])
-            system_len = int(spec["system_prompt_len"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise WorkloadError(f"data.shared_prefix: missing or bad {exc}") from exc
-        if groups < 1 or per_group < 1 or system_len < 0:
-            raise WorkloadError("data.shared_prefix: num_groups, num_prompts_per_group >= 1")
-        question = spec.get("question_distribution") or spec.get("question_len")
-        output = spec.get("output_distribution") or spec.get("output_len")
-        prompts: list[tuple[list[int], int]] = []
-        for _ in range(groups):
-            system = tokens.new(system_len)
-            questions = _lengths(rng, question, per_group, "data.shared_prefix.question_len")
-            outputs = _lengths(rng, output, per_group, "data.shared_prefix.output_len")
-            for q, o in zip(questions, outputs, strict=True):
-                prompts.append((system + tokens.new(q), o))
-        rng.shuffle(prompts)
-        i = 0
-        while True:
-            yield prompts[i % len(prompts)]
-            i += 1
-    elif kind == "random":
-        dists = {}
-        for name in ("input_distribution", "output_distribution"):
-            dist = config.get(name)
-            if not isinstance(dist, dict):
-                raise WorkloadError(f"data.{name}: missing (random data needs it)")
-            count = dist.get("total_count") or 1000
-            dists[name] = _lengths(rng, dist, int(count), f"data.{name}")
-        inputs, outputs = dists["input_distribution"], dists["output_distribution"]
-        n = 0
-        while True:
-            yield tokens.new(inputs[n % len(inputs)]), outputs[n % len(outputs)]
-            n += 1
-    else:
-        raise WorkloadError(
-            f"data.type {kind!r} is not supported by simulate (supported: shared_prefix, random)"
-        )
+        return _shared_prefix(config.get("shared_prefix"), rng, tokens, max_len)
+    if kind == "random":
+        return _random(config, rng, tokens, max_len)
+    raise WorkloadError(
+        f"data.type {kind!r} is not supported by simulate (supported: shared_prefix, random)"
+    )
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -213,8 +284,13 @@ def _read_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def from_inference_perf(config: dict[str, Any], vocab: int, seed: int = 0) -> Workload:
-    """The workload of an inference-perf config (its ``data`` and ``load`` sections)."""
+def from_inference_perf(
+    config: dict[str, Any], vocab: int, seed: int = 0, max_len: int | None = None
+) -> Workload:
+    """The workload of an inference-perf config (its ``data`` and ``load`` sections); a
+    request longer than ``max_len`` (prompt and output) is made with no tokens and
+    ``refused_len`` set. ``WorkloadError`` names a bad or unsupported field, or a bound of
+    this module exceeded."""
     data, load = config.get("data"), config.get("load")
     if not isinstance(data, dict):
         raise WorkloadError("the inference-perf config has no data section")
@@ -228,29 +304,46 @@ def from_inference_perf(config: dict[str, Any], vocab: int, seed: int = 0) -> Wo
     stages_spec = load.get("stages")
     if not isinstance(stages_spec, list) or not stages_spec:
         raise WorkloadError("load.stages: a list of {rate, duration} is needed")
+    interval = load.get("interval")
+    interval = 1.0 if interval is None else checks.positive(
+        interval, "load.interval", WorkloadError, MAX_SECONDS
+    )  # fmt: skip
     rng = random.Random(seed)
-    requests = _data(data, rng, vocab)
+    requests = _data(data, rng, vocab, max_len)
     stages: list[Stage] = []
+    total = 0
     for i, spec in enumerate(stages_spec):
-        try:
-            rate, duration = float(spec["rate"]), float(spec["duration"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise WorkloadError(f"load.stages[{i}]: needs a rate and a duration") from exc
-        if rate <= 0 or duration <= 0:
-            raise WorkloadError(f"load.stages[{i}]: rate and duration must be > 0")
+        where = f"load.stages[{i}]"
+        if not isinstance(spec, dict) or "rate" not in spec or "duration" not in spec:
+            raise WorkloadError(f"{where}: needs a rate and a duration")
+        rate = checks.positive(spec["rate"], f"{where}.rate", WorkloadError, MAX_RATE)
+        duration = checks.positive(spec["duration"], f"{where}.duration", WorkloadError,
+                                   MAX_SECONDS)  # fmt: skip
+        total += math.ceil(rate * duration)
+        if total > MAX_REQUESTS:
+            raise WorkloadError(
+                f"{where}: rate x duration brings the requests to {total}, more than "
+                f"{MAX_REQUESTS} (simulate's bound): a lower rate or a shorter duration"
+            )
         times = arrival_times(rng, kind, rate, duration)
-        stage = [SimRequest(t, *next(requests)) for t in times]
+        made = zip(times, requests, strict=False)  # (requests never ends)
+        stage = [SimRequest(t, prompt, out, refused_len=refused)
+                 for t, (prompt, out, refused) in made]  # fmt: skip
         stages.append(Stage(stage, rate, duration))
-    interval = float(load.get("interval") or 1.0)
     return Workload(stages, interval, config)
 
 
-def load_inference_perf(path: str | Path, vocab: int, seed: int = 0) -> Workload:
-    return from_inference_perf(_read_config(Path(path)), vocab, seed)
+def load_inference_perf(
+    path: str | Path, vocab: int, seed: int = 0, max_len: int | None = None
+) -> Workload:
+    return from_inference_perf(_read_config(Path(path)), vocab, seed, max_len)
 
 
-def load_trace(path: str | Path, vocab: int, seed: int = 0) -> Workload:
-    """A JSONL trace (see the module docstring): one stage, in arrival order."""
+def load_trace(path: str | Path, vocab: int, seed: int = 0, max_len: int | None = None) -> Workload:
+    """A JSONL trace (see the module docstring): one stage, in arrival order. A request
+    longer than ``max_len`` is made as ``from_inference_perf`` makes it; a line that does not
+    parse, or a field of the wrong type or out of range, is a ``WorkloadError`` naming the
+    line and the field."""
     rng = random.Random(seed)
     tokens = _Tokens(rng, vocab)
     prefixes: dict[str, list[int]] = {}
@@ -262,9 +355,14 @@ def load_trace(path: str | Path, vocab: int, seed: int = 0) -> Workload:
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
+        if len(out) >= MAX_REQUESTS:
+            raise WorkloadError(f"{path}:{number}: more than {MAX_REQUESTS} requests")
         try:
-            out.append(_trace_request(json.loads(line), tokens, prefixes))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            item = json.loads(line)
+            out.append(_trace_request(item, tokens, prefixes, max_len))
+        except WorkloadError as exc:
+            raise WorkloadError(f"{path}:{number}: {exc}") from exc
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
             detail = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
             raise WorkloadError(f"{path}:{number}: not a trace request ({detail})") from exc
     if not out:
@@ -274,25 +372,38 @@ def load_trace(path: str | Path, vocab: int, seed: int = 0) -> Workload:
 
 
 def _trace_request(
-    item: dict[str, Any], tokens: _Tokens, prefixes: dict[str, list[int]]
+    item: Any, tokens: _Tokens, prefixes: dict[str, list[int]], max_len: int | None
 ) -> SimRequest:
     if not isinstance(item, dict):
         raise TypeError("a line is one JSON object")
-    arrival, output = float(item["arrival"]), int(item["output_len"])
-    if arrival < 0 or output < 0:
-        raise ValueError("arrival and output_len must be >= 0")
+    arrival = checks.number(item["arrival"], "arrival", WorkloadError, minimum=0,
+                            maximum=MAX_SECONDS)  # fmt: skip
+    output = _length(item["output_len"], "output_len", 1)
     if "prompt_tokens" in item:
-        prompt = [int(t) for t in item["prompt_tokens"]]
-    else:
-        length = int(item["prompt_len"])
-        group = item.get("prefix_group")
-        shared: list[int] = []
-        if group is not None:
-            shared_len = int(item.get("prefix_len", 0))
-            shared = prefixes.setdefault(str(group), tokens.new(shared_len))[:shared_len]
-            if len(shared) < shared_len:
-                raise ValueError(f"prefix_len {shared_len} exceeds the group's first prefix")
-        prompt = shared + tokens.new(max(0, length - len(shared)))
-    if not prompt:
-        raise ValueError("an empty prompt")
-    return SimRequest(arrival, prompt, output)
+        ids = item["prompt_tokens"]
+        if not isinstance(ids, list) or not 1 <= len(ids) <= MAX_REQUEST_TOKENS:
+            raise WorkloadError(
+                f"prompt_tokens must be a list of 1 to {MAX_REQUEST_TOKENS} token ids"
+            )
+        tokens.charge(len(ids), "prompt_tokens")
+        prompt = [checks.integer(t, "prompt_tokens[]", WorkloadError, minimum=0) for t in ids]
+        if not _fits(len(prompt), output, max_len):
+            return SimRequest(arrival, [], output, refused_len=len(prompt))
+        return SimRequest(arrival, prompt, output)
+    length = _length(item["prompt_len"], "prompt_len", 1)
+    if not _fits(length, output, max_len):
+        return SimRequest(arrival, [], output, refused_len=length)
+    group = item.get("prefix_group")
+    shared: list[int] = []
+    if group is not None:
+        if not isinstance(group, str):
+            raise WorkloadError(f"prefix_group must be a string, got {group!r}")
+        shared_len = checks.integer(item.get("prefix_len", 0), "prefix_len", WorkloadError,
+                                    minimum=0, maximum=length)  # fmt: skip
+        if group not in prefixes:
+            prefixes[group] = tokens.new(shared_len, "prefix_len")
+        shared = prefixes[group][:shared_len]
+        if len(shared) < shared_len:
+            raise WorkloadError(f"prefix_len {shared_len} exceeds the group's first prefix")
+        tokens.charge(shared_len, "prefix_len")  # the copy below
+    return SimRequest(arrival, shared + tokens.new(length - len(shared), "prompt_len"), output)

@@ -13,7 +13,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8": 1, "fp8": 1, "auto": 2}
+from app.checks import flag, integer
+
+# Bytes of one weight as vLLM's ``dtype=auto`` serves a checkpoint of that dtype: float32 ones in
+# 16 bits (vLLM: "auto" uses 16-bit precision for float32 models).
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 2, "float8": 1, "fp8": 1, "auto": 2}
+# Bytes of one K or V element: vLLM's ``kv_cache_dtype=auto`` keeps the KV cache in the model's
+# activation dtype (16-bit), fp8 weights or not; fp8 KV needs ``--kv-cache-dtype fp8``.
+KV_DTYPE_BYTES = 2
 
 
 class ModelConfigError(ValueError):
@@ -34,7 +41,7 @@ class ModelShape:
     vocab: int
     experts: int = 0  # 0: dense
     experts_per_token: int = 0
-    dtype_bytes: int = 2
+    dtype_bytes: int = 2  # one weight (1: fp8); the KV cache is 16-bit (KV_DTYPE_BYTES)
     tied_embeddings: bool = False
     max_position: int | None = None  # max_position_embeddings: vLLM's default max_model_len
 
@@ -83,7 +90,7 @@ class ModelShape:
         """K and V of one token, every layer, on one of ``tensor_parallel`` GPUs (a GPU holds
         at least one KV head: vLLM replicates them when there are fewer than GPUs)."""
         heads = max(1, self.kv_heads // tensor_parallel)
-        return 2 * self.layers * heads * self.head_dim * self.dtype_bytes
+        return 2 * self.layers * heads * self.head_dim * KV_DTYPE_BYTES
 
     def check_tensor_parallel(self, tensor_parallel: int) -> None:
         """Refuse a tensor-parallel size vLLM refuses: it must divide the attention heads (and
@@ -104,56 +111,94 @@ class ModelShape:
 
 
 def _field(config: dict[str, Any], name: str, where: str, *aliases: str) -> int:
+    """A required positive integer field (or the first of its aliases present)."""
     for key in (name, *aliases):
         value = config.get(key)
         if value is not None:
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ModelConfigError(f"{where}: {key} must be a positive integer, got {value!r}")
-            return value
+            return integer(value, f"{where}: {key}", ModelConfigError, minimum=1)
     raise ModelConfigError(f"{where}: missing {name!r}, which the step time needs")
+
+
+def _optional(config: dict[str, Any], where: str, *keys: str, minimum: int = 1) -> int | None:
+    """An optional integer field (the first of ``keys`` present), ``>= minimum``."""
+    for key in keys:
+        value = config.get(key)
+        if value is not None:
+            return integer(value, f"{where}: {key}", ModelConfigError, minimum=minimum)
+    return None
+
+
+def _dtype_bytes(config: dict[str, Any], where: str) -> int:
+    """Bytes of one weight as vLLM serves it (``dtype=auto``): 16-bit for float16, bfloat16
+    and float32 checkpoints alike (vLLM serves float32 in 16 bits), 1 for fp8."""
+    key = "torch_dtype" if config.get("torch_dtype") is not None else "dtype"
+    dtype = config.get(key)
+    if dtype is None:
+        dtype = "bfloat16"
+    if not isinstance(dtype, str):
+        raise ModelConfigError(f"{where}: {key} must be a string, got {dtype!r}")
+    name = dtype.lower().removeprefix("torch.")
+    size = DTYPE_BYTES.get(name)
+    if size is None:
+        raise ModelConfigError(f"{where}: {key} {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+    quant = config.get("quantization_config")
+    if quant is not None and not isinstance(quant, dict):
+        raise ModelConfigError(f"{where}: quantization_config must be an object, got {quant!r}")
+    if quant is not None and str(quant.get("quant_method", "")).lower() == "fp8":
+        size = 1  # fp8 weights (and vLLM's fp8 GEMMs)
+    return size
 
 
 def shape_from_config(config: dict[str, Any], where: str = "config.json") -> ModelShape:
     """The ``ModelShape`` of a parsed config.json; ``ModelConfigError`` names a missing or bad
-    field. ``text_config`` (multimodal wrappers) is read when the top level has no layers."""
+    field (a wrong type, a size below 1, heads the KV heads do not divide, more experts per
+    token than experts). ``text_config`` (multimodal wrappers) is read when the top level has
+    no layers."""
     if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
         config = config["text_config"]
     hidden = _field(config, "hidden_size", where, "n_embd", "d_model")
     heads = _field(config, "num_attention_heads", where, "n_head")
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or hidden // heads
-    experts = config.get("num_local_experts") or config.get("num_experts") or 0
-    per_token = config.get("num_experts_per_tok") or 0
+    kv_heads = _optional(config, where, "num_key_value_heads") or heads
+    if kv_heads > heads or heads % kv_heads:
+        raise ModelConfigError(
+            f"{where}: num_key_value_heads {kv_heads} must divide num_attention_heads {heads}"
+        )
+    head_dim = _optional(config, where, "head_dim") or hidden // heads
+    if head_dim < 1:
+        raise ModelConfigError(
+            f"{where}: hidden_size {hidden} is smaller than num_attention_heads {heads} "
+            "(a head of 0 dimensions) and there is no head_dim"
+        )
+    experts = _optional(config, where, "num_local_experts", "num_experts", minimum=0) or 0
+    per_token = _optional(config, where, "num_experts_per_tok", minimum=0) or 0
     if experts and not per_token:
         raise ModelConfigError(f"{where}: missing 'num_experts_per_tok' of a mixture of experts")
+    if per_token > experts and experts:
+        raise ModelConfigError(
+            f"{where}: num_experts_per_tok {per_token} exceeds the {experts} experts"
+        )
     intermediate_key = (
         "moe_intermediate_size"
         if experts and "moe_intermediate_size" in config
         else "intermediate_size"
     )
-    dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16").lower()
-    size = DTYPE_BYTES.get(dtype) or next((b for k, b in DTYPE_BYTES.items() if k in dtype), None)
-    quant = config.get("quantization_config")
-    if isinstance(quant, dict) and str(quant.get("quant_method", "")).lower() == "fp8":
-        size = 1  # fp8 weights (and vLLM's fp8 GEMMs)
-    if size is None:
-        raise ModelConfigError(
-            f"{where}: torch_dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}"
-        )
+    tied = config.get("tie_word_embeddings", False)
+    tied = flag(tied, f"{where}: tie_word_embeddings", ModelConfigError)
+    name = config.get("_name_or_path") or config.get("model_type")
     return ModelShape(
-        name=str(config.get("_name_or_path") or config.get("model_type") or where),
+        name=str(name) if isinstance(name, str) and name else where,
         hidden=hidden,
         layers=_field(config, "num_hidden_layers", where, "n_layer"),
         heads=heads,
-        kv_heads=int(kv_heads),
-        head_dim=int(head_dim),
+        kv_heads=kv_heads,
+        head_dim=head_dim,
         intermediate=_field(config, intermediate_key, where, "ffn_dim"),
         vocab=_field(config, "vocab_size", where),
-        experts=int(experts),
-        experts_per_token=int(per_token),
-        dtype_bytes=size,
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-        max_position=config.get("max_position_embeddings"),
+        experts=experts,
+        experts_per_token=per_token if experts else 0,
+        dtype_bytes=_dtype_bytes(config, where),
+        tied_embeddings=tied,
+        max_position=_optional(config, where, "max_position_embeddings"),
     )
 
 

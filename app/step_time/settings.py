@@ -13,7 +13,7 @@ from typing import Any
 
 from app.step_time.gpus import UnknownGpuError, gpu
 from app.step_time.model_config import ModelConfigError, ModelShape, load_model_config
-from app.step_time.physics import PhysicsStepTime, kv_cache_tokens
+from app.step_time.physics import PhysicsStepTime, kv_cache_tokens, no_kv_room
 
 
 def load_shape(path: str | Path, gpu_name: str, tensor_parallel: int) -> ModelShape:
@@ -29,9 +29,15 @@ def load_shape(path: str | Path, gpu_name: str, tensor_parallel: int) -> ModelSh
 
 
 def physics_presets(
-    shape: ModelShape, gpu_name: str, tensor_parallel: int, chosen: dict[str, Any]
+    shape: ModelShape,
+    gpu_name: str,
+    tensor_parallel: int,
+    chosen: dict[str, Any],
+    block_size: int = 16,
 ) -> dict[str, Any]:
-    """Settings values for the fields not in ``chosen`` (the user's), given those that are."""
+    """Settings values for the fields not in ``chosen`` (the user's), given those that are;
+    ``ValueError`` if the weights leave no room for a KV cache (``physics.no_kv_room``) and
+    the user set no ``kv_cache_tokens``."""
     from app.profiles import PROFILE_LIMITS
 
     presets: dict[str, Any] = {"enable_prefix_caching": True}
@@ -40,9 +46,14 @@ def physics_presets(
     if shape.max_position is not None:
         presets["max_model_len"] = shape.max_position
     merged = presets | chosen
-    presets["kv_cache_tokens"] = kv_cache_tokens(
-        shape, gpu(gpu_name), tensor_parallel, merged["max_num_batched_tokens"], merged["num_slots"]
+    device = gpu(gpu_name)
+    kv = kv_cache_tokens(
+        shape, device, tensor_parallel, merged["max_num_batched_tokens"], merged["num_slots"]
     )
+    problem = no_kv_room(kv, block_size, shape, device, tensor_parallel)
+    if problem is not None and "kv_cache_tokens" not in chosen:
+        raise ValueError(problem)  # (0 would mean "unset": unlimited KV)
+    presets["kv_cache_tokens"] = kv
     return {k: v for k, v in presets.items() if k not in chosen}
 
 
