@@ -22,27 +22,19 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
+from _serve import slotserve
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "fidelity"
 METRICS = (("TTFT ms", "time_to_first_token", "ttft_s", 1000), ("TPOT ms", "time_per_output_token", "tpot_s", 1000),
            ("E2E s", "request_latency", "e2e_s", 1))  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def experiments(names: list[str]) -> list[dict[str, Any]]:
@@ -72,35 +64,15 @@ def serve_flags(experiment: dict[str, Any], tokenizer: Path) -> list[str]:
 
 
 def run_online(experiment: dict[str, Any], args: argparse.Namespace, out: Path) -> None:
-    port = free_port()
-    flags = serve_flags(experiment, args.tokenizer)
-    server = subprocess.Popen([sys.executable, "-m", "app", "serve", "--port", str(port),
-                               "--log-level", "warning", *flags], cwd=ROOT)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and server.poll() is None, "server did not start"
-            time.sleep(0.1)
+    with slotserve(*serve_flags(experiment, args.tokenizer)) as url:
         config = shortened(experiment, args.stage_seconds)
-        config["server"] = {
-            "type": "vllm",
-            "base_url": f"http://127.0.0.1:{port}",
-            "ignore_eos": True,
-        }
+        config["server"] = {"type": "vllm", "base_url": url, "ignore_eos": True}
         config["tokenizer"] = {"pretrained_model_name_or_path": str(args.tokenizer)}
         config["storage"] = {"local_storage": {"path": str(out)}}
         path = out.parent / f"{out.name}.yaml"
         path.write_text(yaml.safe_dump(config))
         subprocess.run([str(args.inference_perf), "-c", str(path)], check=True, cwd=out.parent,
                        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})  # fmt: skip
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 def run_simulated(experiment: dict[str, Any], args: argparse.Namespace, out: Path) -> None:
