@@ -27,15 +27,14 @@ $(TORCH_STAMP): $(STAMP)
 	touch $(TORCH_STAMP)
 
 serve: $(STAMP) $(if $(REAL_MODEL),$(TORCH_STAMP))  ## serve the mock, or MODEL=smollm2 | hf:PATH (flags: ARGS='...')
-	$(BIN)/slotserve serve $(if $(MODEL),--model $(MODEL)) $(if $(HOST),--host $(HOST)) \
-		$(if $(PORT),--port $(PORT)) $(ARGS)
+	$(BIN)/slotserve serve $(strip $(if $(MODEL),--model $(MODEL)) $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT)) $(ARGS))
 
 test: about-test $(TORCH_STAMP) services lint typecheck unit  ## ruff, mypy and the whole suite
 
 # Said before anything is installed, so nobody wonders what a first run is doing.
 about-test:
 	@echo "make test: ruff, mypy and the whole pytest suite (about 10 minutes on 2 cores)."
-	@test -f $(TORCH_STAMP) || echo "  first run: installs .venv with the torch extra (a ~2.4 GB CPU build; a few minutes)"
+	@test -f $(TORCH_STAMP) || echo "  first run: installs .venv with the torch extra (a ~190 MB CPU build of torch; .venv ~2.4 GB)"
 
 # nginx, Prometheus and Chromium for the tests that start them (as root with apt; else named).
 services:

@@ -154,7 +154,7 @@ def serve(settings: Settings) -> None:
     if wants_real_model(settings):
         check_real_model(settings)
         settings = named(settings)
-    names = ", ".join(settings.api_keys().names) or "none: no authentication"
+    names = ", ".join(settings.api_keys().names) or "none (no authentication)"
     logging.getLogger("slotserve").info(
         "serving %s on %s:%d with %d slots (api keys: %s)",
         settings.model_name, settings.host, settings.port, settings.num_slots, names,

@@ -447,7 +447,10 @@ class Settings(BaseSettings):
         if self.model_config_file is None:
             needs = [f"--{n.replace('_', '-')}" for n in PHYSICS_ONLY if n in explicit]
             if needs:
-                raise ValueError(f"{' and '.join(needs)} only apply with --model-config")
+                raise ValueError(
+                    f"{' and '.join(needs)} "
+                    f"{'apply' if len(needs) > 1 else 'applies'} only with --model-config"
+                )
             return self
         from app.step_time.settings import load_shape, physics_presets
 

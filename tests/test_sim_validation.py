@@ -208,7 +208,7 @@ def test_serve_refuses_gpu_flags_without_a_model_config(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     err = _serve_error(capsys, "--gpu", "a100-80gb", "--tensor-parallel-size", "2")
-    assert "--gpu and --tensor-parallel-size only apply with --model-config" in err
+    assert "--gpu and --tensor-parallel-size apply only with --model-config" in err
 
 
 @pytest.mark.parametrize(
@@ -239,7 +239,7 @@ def test_simulate_refuses_gpu_flags_with_a_profile(
         simulate_main(["--inference-perf-config", str(ipc), "--profile", "llama3.1-8b-h100",
                        "--gpu", "a100-80gb"])  # fmt: skip
     assert exit_.value.code == 2
-    assert "--gpu only apply with --model-config" in capsys.readouterr().err
+    assert "--gpu applies only with --model-config" in capsys.readouterr().err
 
 
 # --- client timeouts -------------------------------------------------------------------------

@@ -33,12 +33,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a flag's default unless it has none or its help already names it."""
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless it has none (None, False, empty) or its help already
+    names it (also used by ``slotserve simulate``)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if action.default is None or action.default is False or "default" in text:
+        if action.default in (None, False, "", []) or "default" in text:
             return text
         return super()._get_help_string(action)
 
@@ -48,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="slotserve bench",
         description="Load-test a slotserve server (native /generate) or any OpenAI-compatible "
         "server (--api openai) and report TTFT, TPOT, ITL and E2EL as vllm bench serve does.",
-        formatter_class=_Defaults,
+        formatter_class=DefaultsFormatter,
     )
     add = parser.add_argument
     add("--url", default="http://127.0.0.1:8000", help="server base URL")

@@ -101,6 +101,7 @@ def print_summary(console: Console, run: RunOutput, slo: Mapping[str, float]) ->
         console.print(
             f"tokens received {whole.received_tokens:,}; the server's "
             f"vllm:generation_tokens_total grew by {run.server_tokens:,.0f}"
+            + (" (the rest went to the streams closed at the interrupt)" if run.partial else "")
         )
     cpu = ", ".join(f"{share:.0%}" for share in run.worker_cpu)
     console.print(f"tool CPU per worker (share of one core): {cpu}")

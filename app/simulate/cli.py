@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from app import checks
+from app.bench.cli import DefaultsFormatter
 from app.engine.scheduler import SchedulerConfig
 from app.engine.step_clock import StepClock, StepCosts, StepTimeModel
 from app.simulate.report import Client, reports, table, write_reports
@@ -46,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="slotserve simulate",
         description="Replay a workload through the server's scheduler and step clock in virtual "
         "time; write inference-perf's report files.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsFormatter,
     )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument(
@@ -122,7 +123,10 @@ def _setup(args: argparse.Namespace) -> tuple[StepTimeModel, SchedulerConfig, Ov
         flags = [f for f, v in (("--gpu", args.gpu), ("--tensor-parallel-size",
                  args.tensor_parallel_size)) if v is not None]  # fmt: skip
         if flags:
-            raise ValueError(f"{' and '.join(flags)} only apply with --model-config")
+            raise ValueError(
+                f"{' and '.join(flags)} "
+                f"{'apply' if len(flags) > 1 else 'applies'} only with --model-config"
+            )
         from app.profiles import PROFILE_LIMITS, PROFILES
 
         if args.profile not in PROFILES:
