@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.api.deps import KeyNameDep, ServingDep
-from app.api.errors import error_body
+from app.api.errors import error_body, not_serving
 
 router = APIRouter(tags=["operations"])
 
@@ -25,8 +25,9 @@ async def health(serving: ServingDep) -> Response:
     state = serving.state
     if state == "ok":
         return JSONResponse({"status": "ok"})
-    body = error_body(f"not serving: {state}", "service_unavailable", None, state)
-    return JSONResponse(body | {"status": state}, status_code=503)
+    err = not_serving(state)
+    body = error_body(err.message, err.type, err.param, err.code)
+    return JSONResponse(body | {"status": state}, status_code=err.status)
 
 
 @router.get("/metrics")
