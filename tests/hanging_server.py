@@ -1,6 +1,6 @@
 """A test-only server whose model call never returns: ``python tests/hanging_server.py <serve
 flags>`` serves like ``python -m app serve`` but with ``HangingModel``, so a test can send
-SIGTERM to a real process whose model is stuck (tests/test_engine_edge_bugs.py)."""
+SIGTERM to a real process whose model is stuck (tests/engine/test_engine_edges.py)."""
 
 from __future__ import annotations
 

@@ -11,11 +11,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 import httpx
 
 STARTUP_TIMEOUT = 20.0
+LOAD_TIMEOUT = 300.0  # seconds: importing torch and loading a model, on a busy 2-core machine
 
 
 def free_port() -> int:
@@ -48,11 +49,13 @@ def running_server(
     stderr: Any = None,
     launcher: Sequence[str] = ("-m", "app", "serve"),
     preexec_fn: Callable[[], None] | None = None,
+    startup_timeout: float = STARTUP_TIMEOUT,
 ) -> Iterator[ServerProcess]:
     """Start a server with ``flags`` on a free port; wait until /health is 200; kill it after.
     ``launcher``: the interpreter's arguments that start it (a test-only script takes the
     ``serve`` flags too, e.g. tests/hanging_server.py). ``preexec_fn`` runs in the child before
-    it starts (e.g. to lower its file limit)."""
+    it starts (e.g. to lower its file limit). ``startup_timeout``: seconds it may take to
+    answer /health (a real model's load needs ``LOAD_TIMEOUT``)."""
     port = free_port()
     command = [
         sys.executable,
@@ -72,7 +75,7 @@ def running_server(
     )
     server = ServerProcess(process, port)
     try:
-        _wait_healthy(server)
+        _wait_healthy(server, startup_timeout)
         yield server
     finally:
         if process.poll() is None:
@@ -80,8 +83,8 @@ def running_server(
         process.wait(timeout=10)
 
 
-def _wait_healthy(server: ServerProcess) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT
+def _wait_healthy(server: ServerProcess, timeout: float = STARTUP_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
             raise RuntimeError(f"server exited early with {server.process.returncode}")
@@ -110,3 +113,34 @@ def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+@contextmanager
+def loading_server(
+    *flags: str, stderr: IO[str] | None = None
+) -> Iterator[tuple[ServerProcess, list[str]]]:
+    """A server with ``flags``; yields it once ``/health`` has left the ``loading`` state, with
+    every health status seen on the way (``ok``, ``loading``, ...)."""
+    port = free_port()
+    command = [sys.executable, "-m", "app", "serve", "--port", str(port), "--log-level", "warning"]
+    process = subprocess.Popen([*command, *flags], env=dict(os.environ), stderr=stderr)
+    server, seen = ServerProcess(process, port), list[str]()
+    try:
+        deadline = time.monotonic() + LOAD_TIMEOUT
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                status = httpx.get(server.url + "/health", timeout=2.0).json()["status"]
+            except httpx.TransportError:
+                time.sleep(0.05)  # another process is binding: there is no event to await
+                continue
+            if not seen or seen[-1] != status:
+                seen.append(status)
+            if status != "loading":
+                break
+            time.sleep(0.05)  # the load runs in another process: poll its health
+        assert process.poll() is None, f"server exited with {process.returncode}"
+        yield server, seen
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=10)

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from server_process import ServerProcess, running_server
+from server_process import LOAD_TIMEOUT, ServerProcess, running_server
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BIN = str(Path(sys.executable).parent) + "/"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 
@@ -76,7 +76,7 @@ def run_section(section: Section, *extra_flags: str) -> list[str]:
     flags = section.serve_flags()
     assert flags is not None, f"{section.title}: no make serve line"
     outputs = []
-    with running_server(*flags, *extra_flags) as server:
+    with running_server(*flags, *extra_flags, startup_timeout=LOAD_TIMEOUT) as server:
         for lang, code in section.blocks:
             if lang == "python":
                 program = local(code, server)

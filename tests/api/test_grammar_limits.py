@@ -89,7 +89,7 @@ def test_the_api_answers_a_grammar_limit_400_and_a_model_failure_500() -> None:
 
 
 # llguidance's own limits, without the server's CPU budget (which, timed, may come first:
-# tests/test_grammar_budget.py)
+# tests/api/test_grammar_budget.py)
 NO_BUDGET = {"max_grammar_ms_per_token": 0, "max_grammar_ms_per_request": 0}
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from hf_smollm2 import smollm2_cache_dir
-from test_hf_serving import loading_server
+from server_process import loading_server
 
 TASK_DIR = Path(__file__).parent / "lm_eval_task"
 TASK = "slotserve_mc"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-APP = Path(__file__).resolve().parents[1] / "app"
+APP = Path(__file__).resolve().parents[2] / "app"
 ABOVE_THE_API = {"cli.py", "__main__.py", "server.py"}  # entry points: build and run the app
 
 

@@ -14,8 +14,8 @@ import httpx
 import msgspec
 import zmq
 from conftest import ClientFactory, serving_of
+from kv_subscriber import Recent, V026Batch
 from server_process import free_port, running_server, wait_until
-from test_kv_events import Recent, V026Batch
 
 from app.engine.types import FinishReason
 from app.serving import GenerationParams

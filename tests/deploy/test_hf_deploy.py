@@ -11,7 +11,7 @@ import pytest
 import yaml
 from pydantic import ByteSize, TypeAdapter
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VARIANT = REPO / "docker/k8s/smollm2/deployment.yaml"
 SMOLLM2_WEIGHTS = 538_090_408  # bytes of the converted float32 safetensors
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import msgspec
 from conftest import ClientFactory, serving_of
+from kv_subscriber import Subscriber, V026Batch, chain_tokens, vllm_hashes
 from prometheus_client.parser import text_string_to_metric_families
-from test_kv_events import Subscriber, V026Batch, chain_tokens, vllm_hashes
 
 from app.serving import GenerationParams
 

@@ -3,23 +3,16 @@ tiny local checkpoint (``hf:PATH``) and with SmolLM2 itself."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
 
 import httpx
 import pytest
 from hf_smollm2 import smollm2_cache_dir
 from hf_tiny import save_tiny_model, save_tokenizer
-from server_process import ServerProcess, free_port
+from server_process import loading_server
 from sse import parse_sse
-
-LOAD_TIMEOUT = 300.0  # seconds: importing torch and loading, on a busy 2-core machine
 
 
 @pytest.fixture(scope="module")
@@ -27,37 +20,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-serving")
     save_tokenizer(folder)
     return save_tiny_model(folder)
-
-
-@contextmanager
-def loading_server(
-    *flags: str, stderr: IO[str] | None = None
-) -> Iterator[tuple[ServerProcess, list[str]]]:
-    """A server with ``flags``; yields it once ``/health`` has left the ``loading`` state, with
-    every health status seen on the way (``ok``, ``loading``, ...)."""
-    port = free_port()
-    command = [sys.executable, "-m", "app", "serve", "--port", str(port), "--log-level", "warning"]
-    process = subprocess.Popen([*command, *flags], env=dict(os.environ), stderr=stderr)
-    server, seen = ServerProcess(process, port), list[str]()
-    try:
-        deadline = time.monotonic() + LOAD_TIMEOUT
-        while time.monotonic() < deadline and process.poll() is None:
-            try:
-                status = httpx.get(server.url + "/health", timeout=2.0).json()["status"]
-            except httpx.TransportError:
-                time.sleep(0.05)  # another process is binding: there is no event to await
-                continue
-            if not seen or seen[-1] != status:
-                seen.append(status)
-            if status != "loading":
-                break
-            time.sleep(0.05)  # the load runs in another process: poll its health
-        assert process.poll() is None, f"server exited with {process.returncode}"
-        yield server, seen
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait(timeout=10)
 
 
 def test_health_says_loading_until_the_model_is_ready_then_it_serves(tiny: Path) -> None:

@@ -12,8 +12,7 @@ import openai
 import pytest
 from hf_smollm2 import smollm2_cache_dir
 from pydantic import BaseModel
-from server_process import ServerProcess, running_server
-from test_hf_serving import loading_server
+from server_process import ServerProcess, loading_server, running_server
 
 
 class Address(BaseModel):

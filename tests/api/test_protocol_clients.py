@@ -192,7 +192,7 @@ def test_closing_a_stream_frees_its_slot_on_both_routes(one_slow_slot: ServerPro
 @pytest.mark.real_model
 def test_hf_smollm2_answers_through_messages_responses_and_an_agent() -> None:
     from hf_smollm2 import smollm2_cache_dir
-    from test_hf_serving import loading_server
+    from server_process import loading_server
 
     flags = ["--model", "smollm2", "--model-cache-dir", str(smollm2_cache_dir())]
     with loading_server(*flags, "--num-slots", "2", "--max-model-len", "512") as (server, seen):
