@@ -175,6 +175,31 @@ def run(args: argparse.Namespace, policy: str, router_bin: str) -> Result:
     return result
 
 
+def chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """TTFT (mean, p90) and prefix hit rate per policy, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [row["policy"] for row in rows]
+    x = range(len(rows))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for offset, key in ((-0.2, "mean_ms"), (0.2, "p90_ms")):
+        left.bar([i + offset for i in x], [row["ttft"][key] for row in rows], width=0.4,
+                 label=f"TTFT {key.split('_')[0]}")  # fmt: skip
+    left.set_xticks(list(x), names)
+    left.set_ylabel("ms")
+    left.legend()
+    right.bar(list(x), [100 * row["prefix_hit_rate"] for row in rows], width=0.5)
+    right.set_xticks(list(x), names)
+    right.set_ylabel("prefix-cache hit rate (%)")
+    right.set_ylim(0, 100)
+    fig.suptitle(f"shared-prefix workload through the vLLM router ({title})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--policies", default=",".join(POLICIES))
@@ -190,6 +215,7 @@ def main() -> None:
     parser.add_argument("--model-config", help="a config.json (then --gpu, not --profile)")
     parser.add_argument("--gpu", default="h100-sxm")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--chart", type=Path, help="draw them here (PNG, needs matplotlib)")
     args = parser.parse_args()
     router_bin = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which(
         "vllm-router"
@@ -197,16 +223,18 @@ def main() -> None:
     if router_bin is None:
         raise SystemExit("vllm-router not found: pip install -e '.[test]'")
     rows = [run(args, policy, router_bin).summary() for policy in args.policies.split(",")]
-    print(f"{'policy':<14}{'TTFT p50':>10}{'TTFT p90':>10}{'ITL p50':>9}{'ITL p90':>9}"
+    print(f"{'policy':<14}{'TTFT p50':>10}{'p90':>10}{'mean':>10}{'ITL p50':>10}{'p90':>9}"
           f"{'hit rate':>10}{'failed':>8}")  # fmt: skip
     for row in rows:
         t, i = row["ttft"], row["itl"]
-        print(f"{row['policy']:<14}{t['p50_ms']:>8.1f}ms{t['p90_ms']:>8.1f}ms"
-              f"{i['p50_ms']:>7.1f}ms{i['p90_ms']:>7.1f}ms{row['prefix_hit_rate']:>10.1%}"
+        print(f"{row['policy']:<14}{t['p50_ms']:>8.1f}ms{t['p90_ms']:>8.1f}ms{t['mean_ms']:>8.1f}ms"
+              f"{i['p50_ms']:>8.1f}ms{i['p90_ms']:>7.1f}ms{row['prefix_hit_rate']:>10.1%}"
               f"{row['failed']:>8}")  # fmt: skip
+    if args.chart:
+        chart(rows, args.chart, args.model_config or args.profile)
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
-                                         "results": rows}, indent=2))  # fmt: skip
+        settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        args.json.write_text(json.dumps({"args": settings, "results": rows}, indent=2))
 
 
 if __name__ == "__main__":
