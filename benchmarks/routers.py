@@ -190,7 +190,8 @@ def chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
                  label=f"TTFT {key.split('_')[0]}")  # fmt: skip
     left.set_xticks(list(x), names)
     left.set_ylabel("ms")
-    left.legend()
+    left.set_ylim(0, 1.35 * max(row["ttft"]["p90_ms"] for row in rows))  # room for the legend
+    left.legend(loc="upper center", ncol=2)
     right.bar(list(x), [100 * row["prefix_hit_rate"] for row in rows], width=0.5)
     right.set_xticks(list(x), names)
     right.set_ylabel("prefix-cache hit rate (%)")
