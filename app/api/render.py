@@ -11,7 +11,9 @@ nor a loaded adapter). The answer is vLLM's ``GenerateRequest``
 "kv_transfer_params", "token_offsets"}``; a completion answers a list of them, one per prompt
 (``request_id`` ``cmpl-...``), a chat one object (``chatcmpl-...``). ``sampling_params`` carries
 the fields this server honours, under vLLM's names, with ``max_tokens`` resolved as the
-generation route would. ``features``, ``kv_transfer_params`` and ``token_offsets`` are null.
+generation route would (a prompt that leaves no room for them is refused as there: 400
+``context_length_exceeded``). ``features``, ``kv_transfer_params`` and ``token_offsets`` are
+null.
 
 The tokenizer's work runs on the tokenizer routes' worker thread, and the bodies are bounded by
 their limit (``app/api/tokenize.py``).
@@ -32,7 +34,7 @@ from app.api.openai_compat import DEFAULT_COMPLETION_TOKENS, completion_prompts
 from app.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIParams
 from app.api.tokenize import off_the_loop
 from app.api.tools import chat_prompt, tool_plan
-from app.serving import Serving
+from app.serving import Serving, context_length_error
 
 router = APIRouter(prefix="/v1", tags=["routers"])
 ROUTES = ("/v1/completions/render", "/v1/chat/completions/render")
@@ -71,7 +73,12 @@ async def render_chat_completion(body: ChatCompletionRequest, serving: ServingDe
 def _generate_request(
     kind: str, ids: list[int], body: OpenAIParams, requested: int | None, serving: Serving
 ) -> dict[str, Any]:
-    """vLLM's ``GenerateRequest`` for prompt ``ids`` of ``body``."""
+    """vLLM's ``GenerateRequest`` for prompt ``ids`` of ``body``; 400
+    ``context_length_exceeded`` (as generation answers) when the prompt and ``requested``
+    tokens do not fit in the context."""
+    context = serving.settings.max_model_len
+    if len(ids) > context or (requested is not None and len(ids) + requested > context):
+        raise context_length_error(len(ids), requested or 0, context)
     sampling = body.sampling()
     params = {
         "n": body.n or 1,
