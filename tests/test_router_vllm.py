@@ -226,6 +226,10 @@ def test_kv_aware_routes_to_the_replica_holding_the_blocks(tmp_path: Path) -> No
                 before = served(pair)
                 assert complete(router.url, prompt, stream=stream).status_code == 200
                 assert landed(before, pair)[pair.index(replica)] == 1, (prompt[0], stream)
+        # it tokenized through our render route (main: 404, and it fell back to /tokenize)
+        inputs = "vllm_router_kv_routing_inputs_total"
+        assert router.metric(inputs, result="render") >= len(prompts) * 2
+        assert router.metric(inputs, result="tokenize") == 0
         # the router's own account: it credited the prompts' cached blocks (all but a few tokens)
         credited = re.findall(r"credited_prefix_tokens=(\d+)", router.log())
         assert credited and max(int(c) for c in credited) >= len(PREFIX) - 16

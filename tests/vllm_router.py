@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from server_process import free_port
 
 ROUTER_BIN = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which(
@@ -32,12 +33,12 @@ class VllmRouter:
     """One ``vllm-router`` process (see the module's docstring)."""
 
     def __init__(self, workdir: Path, policy: str, workers: list[str], *flags: str) -> None:
-        self.port = free_port()
+        self.port, self.metrics_port = free_port(), free_port()
         self.log_path = workdir / f"vllm-router-{policy}.log"
         assert ROUTER_BIN is not None
         self.command = [
             ROUTER_BIN, "--host", "127.0.0.1", "--port", str(self.port),
-            "--prometheus-port", str(free_port()), "--policy", policy,
+            "--prometheus-port", str(self.metrics_port), "--policy", policy,
             "--worker-urls", *workers, "--worker-startup-check-interval", "1",
             "--log-level", "debug" if policy == "kv_aware" else "info", *flags,
         ]  # fmt: skip
@@ -62,6 +63,17 @@ class VllmRouter:
                     pass
                 time.sleep(0.05)  # another process binding: there is no event to await
         raise AssertionError(f"vllm-router not ready in {STARTUP_TIMEOUT} s:\n{self.log()[-3000:]}")
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the router's own Prometheus samples called ``name`` with ``labels``."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        text = httpx.get(url, timeout=5.0, trust_env=False).raise_for_status().text
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items()
+        )
 
     def log(self) -> str:
         return ANSI.sub("", self.log_path.read_text(errors="replace"))
