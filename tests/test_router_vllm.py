@@ -33,13 +33,22 @@ FLAGS = ("--mock-step-ms", "10", "--enable-prefix-caching")
 PREFIX = "The quick brown fox jumps over the lazy dog; " * 9  # 405 tokens (the byte tokenizer)
 
 
-def complete(url: str, prompt: str, stream: bool, **headers: str) -> httpx.Response:
+def body_of(prompt: str, chat: bool, **fields: object) -> tuple[str, dict[str, object]]:
+    """The route and body of a completion (``chat``: a one-message chat) of ``prompt``."""
+    if chat:
+        return "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}], **fields}
+    return "/v1/completions", {"prompt": prompt, **fields}
+
+
+def complete(
+    url: str, prompt: str, stream: bool, chat: bool = False, headers: dict[str, str] | None = None
+) -> httpx.Response:
     """A short completion through ``url``; a stream is read to its ``[DONE]``."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "stream": stream}
+    route, body = body_of(prompt, chat, model=MODEL, max_tokens=4, stream=stream)
     with client() as http:
         if not stream:
-            return http.post(url + "/v1/completions", json=body, headers=headers)
-        with http.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+            return http.post(url + route, json=body, headers=headers)
+        with http.stream("POST", url + route, json=body, headers=headers) as r:
             data = [line for line in r.iter_lines() if line.startswith("data:")]
             assert r.status_code == 200 and data[-1] == "data: [DONE]", data
             return r
@@ -75,7 +84,8 @@ def test_round_robin_spreads_evenly(replicas: list[Replica], tmp_path: Path) -> 
             assert r.status_code == 200
         assert landed(before, replicas) == [4, 4, 4]
         # vLLM's ORCA load report comes back through the router on a non-streamed answer
-        r = complete(router.url, "hi", stream=False, **{"endpoint-load-metrics-format": "TEXT"})
+        asked = {"endpoint-load-metrics-format": "TEXT"}
+        r = complete(router.url, "hi", stream=False, headers=asked)
         assert r.headers["endpoint-load-metrics"].startswith("TEXT named_metrics.")
 
 
@@ -161,15 +171,15 @@ def events_seen(router: VllmRouter, url: str) -> int:
     return max(seqs, default=-1)
 
 
-def seed(replica: Replica, prompt: str) -> None:
+def seed(replica: Replica, prompt: str, chat: bool = False) -> None:
     """Prefill ``prompt`` on ``replica`` directly (the router does not see the request) and wait
     until its KV events have been sent (to a subscriber already connected, see ``subscribed``;
     the router indexes them long before its next request has been rendered and scored)."""
     published = "slotserve:kv_events_batches_total"
     sent = replica.metric(published, outcome="published")
     with client() as http:
-        r = http.post(replica.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1})
-        assert r.status_code == 200
+        route, body = body_of(prompt, chat, max_tokens=1)
+        assert http.post(replica.url + route, json=body).status_code == 200
     wait_until(lambda: replica.metric(published, outcome="published") > sent, 10, "the events")
 
 
@@ -226,9 +236,15 @@ def test_kv_aware_routes_to_the_replica_holding_the_blocks(tmp_path: Path) -> No
                 before = served(pair)
                 assert complete(router.url, prompt, stream=stream).status_code == 200
                 assert landed(before, pair)[pair.index(replica)] == 1, (prompt[0], stream)
-        # it tokenized through our render route (main: 404, and it fell back to /tokenize)
+        for i, replica in enumerate(pair):  # chats too (rendered by /v1/chat/completions/render)
+            message = f"chat {i} {PREFIX}"
+            seed(replica, message, chat=True)
+            before = served(pair)
+            assert complete(router.url, message, stream=i == 1, chat=True).status_code == 200
+            assert landed(before, pair)[i] == 1, ("chat", i)
+        # it tokenized through our render routes (main: 404, and it fell back to /tokenize)
         inputs = "vllm_router_kv_routing_inputs_total"
-        assert router.metric(inputs, result="render") >= len(prompts) * 2
+        assert router.metric(inputs, result="render") >= len(prompts) * 2 + len(pair)
         assert router.metric(inputs, result="tokenize") == 0
         # the router's own account: it credited the prompts' cached blocks (all but a few tokens)
         credited = re.findall(r"credited_prefix_tokens=(\d+)", router.log())
