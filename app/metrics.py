@@ -282,6 +282,14 @@ class EngineMetrics:
         slots = core.scheduler.slots
         self.slots_out_of_service.labels(name).set_function(lambda: len(slots.out_of_service))
         self.registry.register(ObserverErrors(core, {"model_name": name}))
+        # vLLM's cache description (routers and gateways read the cache's size from its labels;
+        # vLLM writes them with str(), hence "True"/"False"); value 1
+        info = Gauge(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig.",
+            ["block_size", "num_gpu_blocks", "enable_prefix_caching"], registry=self.registry,
+        )  # fmt: skip
+        cached = books.prefix_cache is not None
+        info.labels(str(books.block_size), str(books.total), str(cached)).set(1)
 
     def watch_loras(self, core: EngineCore, max_loras: int) -> None:
         """Export ``vllm:lora_requests_info`` read from ``core``."""

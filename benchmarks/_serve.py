@@ -30,10 +30,14 @@ def free_port() -> int:
 
 @contextmanager
 def started(command: Sequence[str], port: int, cwd: Path = ROOT,
-            env: dict[str, str] | None = None, timeout: float = 30) -> Iterator[str]:  # fmt: skip
+            env: dict[str, str] | None = None, timeout: float = 30,
+            output: int | None = None) -> Iterator[str]:  # fmt: skip
     """Run ``command`` (a server on ``port``), wait up to ``timeout`` s for /health, yield
-    its URL, stop it."""
-    process = subprocess.Popen(list(command), cwd=cwd, env={**ENV, **(env or {})})
+    its URL, stop it. ``output``: where its stdout and stderr go (e.g. ``subprocess.DEVNULL``;
+    None: inherited)."""
+    process = subprocess.Popen(
+        list(command), cwd=cwd, env={**ENV, **(env or {})}, stdout=output, stderr=output
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout

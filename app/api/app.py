@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from sse_starlette.sse import AppStatus
 
-from app.api import admin, dashboard, lora, native, openai_compat, sleep, tokenize
+from app.api import admin, dashboard, load, lora, native, openai_compat, render, sleep, tokenize
 from app.api.adapters import anthropic, responses
 from app.api.adapters.anthropic_errors import AnthropicErrors
 from app.api.adapters.responses_store import ResponseStore
@@ -62,11 +62,14 @@ def create_app(settings: Settings | None = None, model: Model | None = None) -> 
     app.include_router(tokenize.router)
     app.include_router(anthropic.router)
     app.include_router(responses.router)
+    app.include_router(load.router)
+    app.include_router(render.router)
     if settings.enable_sleep_mode:
         app.include_router(sleep.router)
     if settings.enable_lora:
         app.include_router(lora.router)
-    tokenizer_limits = dict.fromkeys(tokenize.ROUTES, tokenize.MAX_BODY_BYTES)
+    tokenizer_limits = dict.fromkeys((*tokenize.ROUTES, *render.ROUTES), tokenize.MAX_BODY_BYTES)
+    app.add_middleware(load.OrcaLoadReport)
     app.add_middleware(
         BodySizeLimit, max_bytes=settings.max_body_bytes, route_limits=tokenizer_limits
     )

@@ -40,7 +40,7 @@ MAX_BODY_BYTES = 1 << 20  # these routes' body limit (the lower of it and --max-
 WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slotserve-tokenizer")
 
 
-async def _off_the_loop(work: Callable[[], Any]) -> Response:
+async def off_the_loop(work: Callable[[], Any]) -> Response:
     """``work()``'s answer, computed and JSON-encoded on ``WORKER``."""
     loop = asyncio.get_running_loop()
     body = await loop.run_in_executor(WORKER, lambda: msgspec.json.encode(work()))
@@ -93,7 +93,7 @@ async def tokenize(body: TokenizeRequest, serving: ServingDep) -> Response:
         return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens,
                 "token_strs": strs}  # fmt: skip
 
-    return await _off_the_loop(answer)
+    return await off_the_loop(answer)
 
 
 @router.post("/detokenize", responses=ERROR_RESPONSES)
@@ -106,7 +106,7 @@ async def detokenize(body: DetokenizeRequest, serving: ServingDep) -> Response:
     if bad is not None:
         raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})",
                        param="tokens", code="invalid_token_id")  # fmt: skip
-    return await _off_the_loop(lambda: {"prompt": tokenizer.decode(body.tokens)})
+    return await off_the_loop(lambda: {"prompt": tokenizer.decode(body.tokens)})
 
 
 def _only(value: bool | None, default: bool, param: str) -> None:

@@ -11,9 +11,10 @@ import httpx
 import openai
 import pytest
 from deploy_files import REPO
+from replicas import Replica, start_replicas
+from replicas import client as nginx_client
 from server_process import ServerProcess, running_server
-from test_nginx import NGINX, Nginx, Replica, start_replicas
-from test_nginx import client as nginx_client
+from test_nginx import NGINX, Nginx
 
 WAIT = 10.0
 LONG = {"prompt": "Tell me everything ", "max_tokens": 8000, "ignore_eos": True}
