@@ -36,6 +36,17 @@ log = logging.getLogger("slotserve.api")
 INVALID = "invalid_request_error"
 
 
+# the error answers of the generation routes (OpenAPI's ``responses``)
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"description": "invalid request"},
+    401: {"description": "missing or invalid API key"},
+    409: {"description": "a live request already has this request_id"},
+    413: {"description": "body too large"},
+    429: {"description": "waiting queue full (see Retry-After)"},
+    503: {"description": "draining or engine dead"},
+}
+
+
 class APIError(Exception):
     """An error answer: raised anywhere in a handler, rendered by the installed handler."""
 

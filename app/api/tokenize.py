@@ -29,8 +29,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from app.api.deps import ServingDep
-from app.api.errors import APIError, model_not_found
-from app.api.native import ERROR_RESPONSES
+from app.api.errors import ERROR_RESPONSES, APIError, model_not_found
 from app.api.schemas import ChatMessage, Text, TokenId
 from app.serving import Serving
 

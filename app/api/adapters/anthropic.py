@@ -32,13 +32,12 @@ from app.api.adapters.anthropic_schemas import (
     ToolResultBlock,
 )
 from app.api.deps import KeyNameDep, ServingDep
-from app.api.errors import APIError
-from app.api.native import ERROR_RESPONSES
+from app.api.errors import ERROR_RESPONSES, APIError
 from app.api.schemas import ChatMessage
 from app.api.streaming import sse_event
 from app.api.tools import CalledFunction, MessageToolCall, ToolPlan
 from app.serving import Serving
-from app.structured.tools import ToolCall, ToolChoice, ToolMode, ToolSpec
+from app.structured.tools import ToolCall, ToolMode, ToolSpec
 
 router = APIRouter(prefix="/v1", tags=["anthropic"])
 
@@ -87,22 +86,12 @@ def tool_plan(body: CountTokensRequest, serving: Serving, decide: bool) -> ToolP
     ``decide``: let a mock decide now whether it calls a tool under ``auto``."""
     specs = [_spec(tool, index) for index, tool in enumerate(body.tools)]
     field = body.tool_choice
-    mode = ToolMode.AUTO if specs else ToolMode.NONE
-    if field is not None:
-        mode = CHOICES[field.type]
-    if mode is not ToolMode.NONE and not specs:
-        raise APIError(400, f"tool_choice {field.type if field else ''!r} needs tools",
-                       param="tool_choice", code="invalid_tool_choice")  # fmt: skip
+    mode = CHOICES[field.type] if field is not None else ToolMode.AUTO
     name = field.name if field is not None and mode is ToolMode.NAMED else None
-    if mode is ToolMode.NAMED and name not in {spec.name for spec in specs}:
-        raise APIError(400, f"tool_choice names {name!r}, which is not in tools",
-                       param="tool_choice.name", code="invalid_tool_choice")  # fmt: skip
-    if mode is ToolMode.NONE:
-        return None
-    if mode is ToolMode.AUTO and decide and serving.mock_calls_tool():
-        mode = ToolMode.REQUIRED
     parallel = not (field is not None and field.disable_parallel_tool_use)
-    return ToolPlan(specs, ToolChoice(mode, name), parallel)
+    return tools.plan_tools(specs, mode, name, parallel, serving, label=field.type if field else "",
+                            name_param="tool_choice.name", decide=decide,
+                            explicit=field is not None)  # fmt: skip
 
 
 CHOICES = {"auto": ToolMode.AUTO, "any": ToolMode.REQUIRED, "tool": ToolMode.NAMED,
@@ -203,7 +192,7 @@ def _event(name: str, data: dict[str, Any]) -> bytes:
     return sse_event(name, {"type": name} | data)
 
 
-class MessageEvents:
+class MessageEvents(generation.PartShaper):
     """Anthropic's streamed events for one message (an ``EventShaper``). Without tools the text
     block opens at once (index 0); with tools, each block (text, then one per tool call) opens
     when its first piece comes."""

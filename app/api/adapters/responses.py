@@ -37,15 +37,14 @@ from app.api.adapters.responses_schemas import (
 )
 from app.api.adapters.responses_store import ResponseStore, Stored
 from app.api.deps import KeyNameDep, ServingDep
-from app.api.errors import RETRY_AFTER, APIError
+from app.api.errors import ERROR_RESPONSES, RETRY_AFTER, APIError
 from app.api.logprobs import TokenText, chat_content
-from app.api.native import ERROR_RESPONSES
 from app.api.schemas import ChatMessage
 from app.api.streaming import sse_event
 from app.api.tools import CalledFunction, MessageToolCall, ToolPlan
 from app.serving import Serving
 from app.structured.constraint import Constraint
-from app.structured.tools import ToolCall, ToolChoice, ToolMode, ToolSpec
+from app.structured.tools import ToolCall, ToolMode, ToolSpec
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 log = logging.getLogger("slotserve.api")
@@ -168,23 +167,14 @@ def tool_plan(body: ResponsesRequest, serving: Serving) -> ToolPlan | None:
              for t in body.tools]  # fmt: skip
     field = body.tool_choice
     if isinstance(field, NamedChoice):
-        if field.name not in {spec.name for spec in specs}:
-            raise APIError(400, f"tool_choice names {field.name!r}, which is not in tools",
-                           param="tool_choice.name", code="invalid_tool_choice")  # fmt: skip
-        choice = ToolChoice(ToolMode.NAMED, field.name)
-    elif field is None:
-        choice = ToolChoice(ToolMode.AUTO if specs else ToolMode.NONE)
+        mode, name, label = ToolMode.NAMED, field.name, "function"
     else:
-        if field != "none" and not specs:
-            raise APIError(400, f"tool_choice {field!r} needs tools", param="tool_choice",
-                           code="invalid_tool_choice")  # fmt: skip
-        choice = ToolChoice(ToolMode(field))
-    if choice.mode is ToolMode.NONE:
-        return None
+        mode, name, label = ToolMode(field or "auto"), None, str(field)
     # a mock decides whether to call under auto, unless the text has a format to follow
-    if choice.mode is ToolMode.AUTO and text_constraint(body) is None and serving.mock_calls_tool():
-        choice = ToolChoice(ToolMode.REQUIRED)
-    return ToolPlan(specs, choice, body.parallel_tool_calls is not False)
+    return tools.plan_tools(specs, mode, name, body.parallel_tool_calls is not False, serving,
+                            label=label, name_param="tool_choice.name",
+                            decide=text_constraint(body) is None,
+                            explicit=field is not None)  # fmt: skip
 
 
 def output_constraint(
@@ -319,7 +309,7 @@ async def _background(
     unfinished request is aborted."""
     entry.response = shape.object("in_progress")
     try:
-        outcome = await generation.collect(run, serving)
+        outcome = (await generation.collect(run, serving))[0]
     except Exception as err:
         if isinstance(err, generation.ModelFailed):
             entry.response = shape.failed(err.error)
@@ -385,8 +375,9 @@ class ResponseShape:
         logprob, bytes, top_logprobs); [] when not asked for."""
         if self.top is None:
             return []
-        run = self.run
-        return chat_content(run.tokens[start:], run.logprobs[start:], self.token_text, self.top)
+        choice = self.run.choices[0]
+        entries = choice.logprobs or []
+        return chat_content(choice.tokens[start:], entries[start:], self.token_text, self.top)
 
     @staticmethod
     def call(call: ToolCall, arguments: str | None, status: str) -> dict[str, Any]:
@@ -426,7 +417,7 @@ def _dumped(value: Any) -> Any:
     return value.model_dump() if isinstance(value, NamedChoice) else value
 
 
-class ResponseEvents:
+class ResponseEvents(generation.PartShaper):
     """OpenAI's typed Responses events for one response (an ``EventShaper``); ``keep`` gets
     the final object and the outcome (to store them). Without tools the message item opens at
     once; with tools, each output item (the message, then one per function call) opens when its
@@ -491,7 +482,10 @@ class ResponseEvents:
             yield from self._open_message()
         assert self.said is not None
         self.said.append(delta)
-        logprobs, self.shown = self.shape.logprobs(self.shown), len(self.shape.run.tokens)
+        logprobs, self.shown = (
+            self.shape.logprobs(self.shown),
+            len(self.shape.run.choices[0].tokens),
+        )
         yield self._event("response.output_text.delta", **self._at(), delta=delta,
                           logprobs=logprobs)  # fmt: skip
 
