@@ -37,7 +37,7 @@ from fastapi.responses import Response
 from app.api import faults
 from app.api.aligned_tokens import AlignedTokens
 from app.api.deps import data_parallel_rank
-from app.api.errors import APIError, generation_failed, model_not_found
+from app.api.errors import APIError, InvalidField, generation_failed, model_not_found
 from app.api.streaming import sse_response, until_disconnected
 from app.api.tool_reader import CallReader, CallStart, Part, TextPiece, read_calls
 from app.api.tools import ToolPlan
@@ -232,9 +232,9 @@ def check_room(serving: Serving, prompts: int, n: int, rank: int | None) -> None
     ranks = 1 if rank is not None else settings.data_parallel_size
     room = ranks * (settings.num_slots + settings.max_waiting)
     if prompts * n > room:
-        raise APIError(400, f"{prompts} prompt(s) x n={n} = {prompts * n} sequences exceed what "
-                       f"this server can ever hold at once ({room}: slots + --max-waiting)",
-                       param="n", code="invalid_value")  # fmt: skip
+        raise InvalidField(f"{prompts} prompt(s) x n={n} = {prompts * n} sequences exceed what "
+                           f"this server can ever hold at once ({room}: slots + --max-waiting)",
+                           param="n", code="invalid_value")  # fmt: skip
 
 
 def _fan_out(

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from app.api import generation
 from app.api.deps import KeyNameDep, ServingDep
-from app.api.errors import ERROR_RESPONSES, APIError
+from app.api.errors import ERROR_RESPONSES, APIError, NotFound, documented, response_for
 from app.api.generation import Outcome, Piece, Run
 from app.api.schemas import GenerateRequest
 from app.api.streaming import sse_event
@@ -44,17 +44,17 @@ async def generate(
             await generation.await_outcomes(request, run, serving)
             response = JSONResponse(done_payload(run, serving))
         except generation.ModelFailed as err:
-            response = JSONResponse(error_payload(run, err.error), status_code=err.error.status)
+            response = response_for(err.error, {"request_id": run.id})
     return generation.flag_priority(response, serving, internal)
 
 
-@router.delete("/requests/{request_id}", responses={404: {"description": "unknown request"}})
+@router.delete("/requests/{request_id}", responses=documented((NotFound, "unknown request")))
 async def cancel(request_id: str, serving: ServingDep, key_name: KeyNameDep) -> dict[str, object]:
     """Cancel a waiting or running request; its stream ends with ``finish_reason: abort``. The
     answer comes once the engine has applied the abort, so the id can be reused at once. With
     API keys, another key's request is a 404, as an unknown one."""
     if not await serving.cancel(request_id, key_name):
-        raise APIError(404, f"no live request with id {request_id!r}", "not_found_error",
+        raise NotFound(f"no live request with id {request_id!r}",
                        param="request_id", code="request_not_found")  # fmt: skip
     return {"request_id": request_id, "cancelled": True}
 
@@ -78,7 +78,7 @@ class NativeEvents(generation.PartShaper):
         yield sse_event("done", done_payload(self.run, self.serving))
 
     def failure(self, error: APIError) -> Iterable[bytes]:
-        yield sse_event("error", error_payload(self.run, error))
+        yield sse_event("error", error.body() | {"request_id": self.run.id})
 
 
 def done_payload(run: Run, serving: Serving) -> dict[str, Any]:
@@ -91,7 +91,3 @@ def done_payload(run: Run, serving: Serving) -> dict[str, Any]:
         "text": serving.tokenizer.decode(tokens),
         "usage": {"prompt_tokens": seq.prompt_len, "completion_tokens": len(tokens)},
     }
-
-
-def error_payload(run: Run, error: APIError) -> dict[str, Any]:
-    return error.body() | {"request_id": run.id}

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 
 from app.api import generation, reply_bounds
 from app.api.deps import KeyNameDep, ServingDep
-from app.api.errors import ERROR_RESPONSES, APIError
+from app.api.errors import ERROR_RESPONSES, APIError, InvalidField
 from app.api.generation import InternalRequest, Outcome, Piece, Run
 from app.api.logprobs import CompletionLogprobs, TokenText, chat_content, prompt_logprobs
 from app.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIParams
@@ -74,8 +74,8 @@ async def chat_completions(
         body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
     )
     if body.top_logprobs and not body.logprobs:
-        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs",
-                       code="invalid_value")  # fmt: skip
+        raise InvalidField("top_logprobs needs logprobs: true", param="top_logprobs",
+                           code="invalid_value")  # fmt: skip
     if constraint is None:
         constraint = requested_constraint(body.response_format, body.structured_outputs)
     await serving.precompile(*constraint)
@@ -97,8 +97,8 @@ def _tool_constraint(
     for field in ("response_format", "structured_outputs"):
         value = getattr(body, field)
         if value is not None and getattr(value, "type", None) != "text":
-            raise APIError(400, f"{field} cannot be combined with a tool_choice that forces a "
-                           "tool call", param=field, code="invalid_request")  # fmt: skip
+            raise InvalidField(f"{field} cannot be combined with a tool_choice that forces a "
+                               "tool call", param=field, code="invalid_request")  # fmt: skip
     return constraint, "tools"
 
 
@@ -130,10 +130,10 @@ def _internal(
     generation.adapter(serving, body.model)
     unsupported = body.unsupported()
     if unsupported is not None:
-        raise APIError(400, f"{unsupported} is not supported by this server; leave it "
-                       "unset (functions/function_call: use tools/tool_choice; guided_*: use "
-                       "structured_outputs)",
-                       param=unsupported, code="unsupported_parameter")  # fmt: skip
+        raise InvalidField(f"{unsupported} is not supported by this server; leave it "
+                           "unset (functions/function_call: use tools/tool_choice; guided_*: use "
+                           "structured_outputs)",
+                           param=unsupported, code="unsupported_parameter")  # fmt: skip
     n = _choices(body, serving)
     reply_bounds.check(serving, [len(p) for p in prompts], max_tokens, _logprob_ask(body, n))
     grammar, param = constraint
@@ -151,11 +151,11 @@ def _choices(body: OpenAIParams, serving: Serving) -> int:
     """``n`` checked against ``--max-n`` (``best_of`` may only repeat it)."""
     n = body.n or 1
     if n > serving.settings.max_n:
-        raise APIError(400, f"n ({n}) exceeds this server's --max-n ({serving.settings.max_n})",
-                       param="n", code="invalid_value")  # fmt: skip
+        raise InvalidField(f"n ({n}) exceeds this server's --max-n ({serving.settings.max_n})",
+                           param="n", code="invalid_value")  # fmt: skip
     if body.best_of is not None and body.best_of != n:
-        raise APIError(400, "best_of must equal n (no server-side ranking of choices)",
-                       param="best_of", code="unsupported_parameter")  # fmt: skip
+        raise InvalidField("best_of must equal n (no server-side ranking of choices)",
+                           param="best_of", code="unsupported_parameter")  # fmt: skip
     return n
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
-from app.api.errors import APIError
+from app.api.errors import APIError, InvalidField
 from app.structured.tools import (
     ToolCall,
     ToolChoice,
@@ -139,12 +139,12 @@ def plan_tools(
     if mode is ToolMode.NAMED and name not in {spec.name for spec in specs}:
         offered = ", ".join(spec.name for spec in specs) or "none"
         message = f"tool_choice names {name!r}, which is not in tools (offered: {offered})"
-        raise APIError(400, message, param=name_param, code="invalid_tool_choice")
+        raise InvalidField(message, param=name_param, code="invalid_tool_choice")
     if not specs and (mode is ToolMode.NONE or not explicit):
         return None
     if mode is not ToolMode.NONE and not specs:
-        raise APIError(400, f"tool_choice {label!r} needs tools", param="tool_choice",
-                       code="invalid_tool_choice")  # fmt: skip
+        raise InvalidField(f"tool_choice {label!r} needs tools", param="tool_choice",
+                           code="invalid_tool_choice")  # fmt: skip
     if mode is ToolMode.NONE:
         return None
     if mode is ToolMode.AUTO and decide and serving.mock_calls_tool():
@@ -177,7 +177,7 @@ def check_tool_messages(messages: list[ChatMessage]) -> None:
 
 
 def _bad_message(message: str, param: str) -> APIError:
-    return APIError(400, message, param=param, code="invalid_tool_message")
+    return InvalidField(message, param=param, code="invalid_tool_message")
 
 
 def chat_prompt(messages: list[ChatMessage], plan: ToolPlan | None, serving: Serving) -> list[int]:

@@ -38,3 +38,38 @@ def test_the_engine_and_models_do_not_import_serving_or_http_libraries() -> None
         for path in (APP / package).rglob("*.py"):
             bad = [m for m in imported_modules(path) if m.startswith(forbidden)]
             assert bad == [], f"{path.relative_to(APP)} imports {bad}"
+
+
+# The HTTP edge: the app factory (499 for a client gone before its answer) and the uvicorn
+# protocol (431, 408 and 503 written before a request reaches the app).
+STATUS_DECIDERS = {"api/errors.py", "api/app.py", "api/connection.py"}
+
+
+def status_codes(path: Path) -> list[str]:
+    """Where ``path`` names an HTTP status: an error status number (400-599) in its code (not
+    as a named bound such as ``max_length=512``), or a ``status_code=`` argument."""
+    tree = ast.parse(path.read_text())
+    bounds = {id(k.value) for k in ast.walk(tree) if isinstance(k, ast.keyword)}
+    found = []
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Constant)
+            and type(node.value) is int
+            and 400 <= node.value < 600
+            and id(node) not in bounds
+        ):
+            found.append(f"line {node.lineno}: {node.value}")
+        elif isinstance(node, ast.keyword) and node.arg == "status_code":
+            found.append(f"line {node.lineno}: status_code=")
+    return found
+
+
+def test_status_codes_are_decided_in_the_error_map_and_the_http_edge_only() -> None:
+    """Code below the routes raises typed errors (``InvalidField``, ``NotFound``, ...);
+    app/api/errors.py alone turns them into status codes and each protocol's shape."""
+    offenders = {
+        str(path.relative_to(APP)): found
+        for path in (APP / "api").rglob("*.py")
+        if str(path.relative_to(APP)) not in STATUS_DECIDERS and (found := status_codes(path))
+    }
+    assert offenders == {}

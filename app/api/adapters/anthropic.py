@@ -32,7 +32,7 @@ from app.api.adapters.anthropic_schemas import (
     ToolResultBlock,
 )
 from app.api.deps import KeyNameDep, ServingDep
-from app.api.errors import ERROR_RESPONSES, APIError
+from app.api.errors import ERROR_RESPONSES, APIError, InvalidField, anthropic_type
 from app.api.schemas import ChatMessage
 from app.api.streaming import sse_event
 from app.api.tools import CalledFunction, MessageToolCall, ToolPlan
@@ -100,13 +100,13 @@ CHOICES = {"auto": ToolMode.AUTO, "any": ToolMode.REQUIRED, "tool": ToolMode.NAM
 
 def _spec(tool: ToolDef, index: int) -> ToolSpec:
     if tool.type not in (None, "custom"):
-        raise APIError(400, f"tool type {tool.type!r} is not supported: this server runs no "
-                       "server tools (web search, code execution, bash, ...); give client tools "
-                       "with input_schema", param=f"tools.{index}.type",
-                       code="unsupported_tool")  # fmt: skip
+        raise InvalidField(f"tool type {tool.type!r} is not supported: this server runs no "
+                           "server tools (web search, code execution, bash, ...); give client "
+                           "tools with input_schema", param=f"tools.{index}.type",
+                           code="unsupported_tool")  # fmt: skip
     if tool.input_schema is None:
-        raise APIError(400, "a tool needs input_schema", param=f"tools.{index}.input_schema",
-                       code="missing")  # fmt: skip
+        raise InvalidField("a tool needs input_schema", param=f"tools.{index}.input_schema",
+                           code="missing")  # fmt: skip
     return ToolSpec(tool.name, tool.description or "", tool.input_schema)
 
 
@@ -139,8 +139,8 @@ def chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
                 results += 1
             else:
                 if message.role != "assistant":
-                    raise APIError(400, "a tool_use block belongs in an assistant message",
-                                   param=f"messages.{m}.content.{b}")  # fmt: skip
+                    raise InvalidField("a tool_use block belongs in an assistant message",
+                                       param=f"messages.{m}.content.{b}")  # fmt: skip
                 calls.add(block.id)
                 function = CalledFunction(name=block.name, arguments=json.dumps(block.input))
                 called.append(MessageToolCall(id=block.id, function=function))
@@ -151,9 +151,9 @@ def chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
 
 
 def _unmatched(block: ToolResultBlock, param: str) -> APIError:
-    return APIError(400, f"tool_result block's tool_use_id {block.tool_use_id!r} answers no "
-                    "tool_use block of an earlier assistant message", param=param,
-                    code="unmatched_tool_result")  # fmt: skip
+    return InvalidField(f"tool_result block's tool_use_id {block.tool_use_id!r} answers no "
+                        "tool_use block of an earlier assistant message", param=param,
+                        code="unmatched_tool_result")  # fmt: skip
 
 
 def stop_reason(outcome: generation.Outcome) -> str:
@@ -248,7 +248,7 @@ class MessageEvents(generation.PartShaper):
         yield _event("message_stop", {})
 
     def failure(self, error: APIError) -> Iterable[bytes]:
-        kind = "api_error" if error.status >= 500 else "invalid_request_error"
+        kind = anthropic_type(error.status)
         yield _event("error", {"error": {"type": kind, "message": error.message}})
 
     def closed(self) -> None:
