@@ -125,14 +125,14 @@ class Choice:
     def outcome(self, plan: ToolPlan | None) -> Outcome:
         """The choice's outcome once it has ended (its calls read from the whole reply, or as
         its ``reader`` streamed them)."""
-        seq = self.stream.seq
+        view = self.stream.view
         text, calls = "".join(self.texts), []
         if self.reader is not None:
             text, calls = self.reader.content, self.reader.calls
         elif plan is not None:
             text, calls = read_calls(text, self.reason, plan)
-        return Outcome(text, self.reason, self.matcher.matched, seq.prompt_len,
-                       seq.num_generated, calls, self.index, self.tokens,
+        return Outcome(text, self.reason, self.matcher.matched, view.prompt_len,
+                       view.num_generated, calls, self.index, self.tokens,
                        self.logprobs)  # fmt: skip
 
 
@@ -162,13 +162,13 @@ class Run:
     def abort(self, serving: Serving) -> None:
         """End every choice still running (client gone, or another choice failed)."""
         for stream in self.streams:
-            if stream.seq.finish_reason is None:
+            if stream.view.finish_reason is None:
                 serving.abort(stream.request_id)
 
     def usage(self) -> tuple[int, int]:
         """(prompt tokens, generated tokens): each prompt once, every choice's tokens."""
-        prompt = sum(stream.seq.prompt_len for stream in self.streams[:: self.n])
-        return prompt, sum(stream.seq.num_generated for stream in self.streams)
+        prompt = sum(stream.view.prompt_len for stream in self.streams[:: self.n])
+        return prompt, sum(stream.view.num_generated for stream in self.streams)
 
 
 class ModelFailed(Exception):
@@ -251,7 +251,7 @@ def _fan_out(
     ``rank`` (None: the least loaded). Each prompt's choices after its first fork from that
     first one in the scheduler (its prompt is prefilled once; ``_enqueue_choice``). If one is
     refused, the others are aborted."""
-    if len(prompts) * n == 1 or first.seq.finish_reason is not None:  # (an injected failure)
+    if len(prompts) * n == 1 or first.view.finish_reason is not None:  # (an injected failure)
         return []
     seed = params.sampling.seed
     choices = [first]
@@ -285,7 +285,7 @@ def _enqueue_choice(
         if home is None or not serving.has_room(home):  # (None: its source has ended)
             return serving.enqueue(serving.prepare(params), None)
         rank = home
-    return serving.enqueue(serving.prepare(params, fork_of=source.seq), rank)
+    return serving.enqueue(serving.prepare(params, fork_of=source.fork_source()), rank)
 
 
 async def texts(run: Run, serving: Serving, choice: Choice) -> AsyncIterator[Piece]:
@@ -307,7 +307,7 @@ async def texts(run: Run, serving: Serving, choice: Choice) -> AsyncIterator[Pie
             yield _seen(choice, Piece(text, FinishReason.STOP.value, tokens, entries, choice.index))
             return
         if delta.finish_reason is FinishReason.ERROR:
-            raise ModelFailed(generation_failed(choice.stream.seq.error, run.grammar_param))
+            raise ModelFailed(generation_failed(choice.stream.view.error, run.grammar_param))
         if delta.finish_reason is not None:
             rest = matcher.feed(decoder.flush()) + matcher.flush()
             if aligned is not None:

@@ -82,12 +82,12 @@ class NativeEvents(generation.PartShaper):
 
 
 def done_payload(run: Run, serving: Serving) -> dict[str, Any]:
-    seq = run.stream.seq
-    tokens = seq.generated
+    view = run.stream.view
+    tokens = view.generated
     return {
-        "request_id": seq.request_id,
-        "finish_reason": seq.finish_reason.value if seq.finish_reason else None,
+        "request_id": view.request_id,
+        "finish_reason": view.finish_reason.value if view.finish_reason else None,
         "tokens": tokens,
         "text": serving.tokenizer.decode(tokens),
-        "usage": {"prompt_tokens": seq.prompt_len, "completion_tokens": len(tokens)},
+        "usage": {"prompt_tokens": view.prompt_len, "completion_tokens": len(tokens)},
     }

@@ -268,12 +268,12 @@ class CompletionShape(Shape):
 
     def rendered(self, piece: Piece) -> dict[str, Any]:
         index = piece.index
-        seq = self.run.choices[index].stream.seq  # its prompt: prompt index // n
+        view = self.run.choices[index].stream.view  # its prompt: prompt index // n
         first = index not in self.started
         self.started.add(index)
         if self.echo and first:
-            prompt = seq.prompt
-            prompt_entries = seq.prompt_logprobs or [None] * len(prompt)
+            prompt = view.prompt
+            prompt_entries = view.prompt_logprobs or [None] * len(prompt)
             logprobs = None if piece.logprobs is None else [*prompt_entries, *piece.logprobs]
             text = self.text.decode(prompt)
             piece = Piece(text + piece.text, piece.reason, [*prompt, *piece.tokens], logprobs)
@@ -283,8 +283,8 @@ class CompletionShape(Shape):
             rendered = renderer.render(piece.tokens, entries)
         out = {"index": index, "text": piece.text, "finish_reason": piece.reason,
                "logprobs": rendered}  # fmt: skip
-        if first and seq.prompt_logprobs is not None:
-            out["prompt_logprobs"] = prompt_logprobs(seq.prompt, seq.prompt_logprobs, self.text)
+        if first and view.prompt_logprobs is not None:
+            out["prompt_logprobs"] = prompt_logprobs(view.prompt, view.prompt_logprobs, self.text)
         return out
 
     delta = rendered
@@ -315,9 +315,9 @@ class ChatShape(Shape):
 
     def whole(self, outcomes: list[Outcome]) -> dict[str, Any]:
         out = super().whole(outcomes)
-        seq = self.run.stream.seq
-        if seq.prompt_logprobs is not None:  # vLLM's field, next to the choices
-            out["prompt_logprobs"] = prompt_logprobs(seq.prompt, seq.prompt_logprobs, self.text)
+        view = self.run.stream.view
+        if view.prompt_logprobs is not None:  # vLLM's field, next to the choices
+            out["prompt_logprobs"] = prompt_logprobs(view.prompt, view.prompt_logprobs, self.text)
         return out
 
     def _logprobs(self, piece: Piece) -> dict[str, Any] | None:

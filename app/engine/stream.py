@@ -25,13 +25,63 @@ class Delta:
     logprobs: list[Logprobs | None] | None = None  # one per token, when the request asked
 
 
-class RequestStream:
-    """Async iterator of ``Delta``s for one request, ending after the delta with a finish reason."""
+class RequestView:
+    """What the API may read of one request, read-only (the ``Sequence`` stays the engine's):
+    its id, prompt, output tokens, how it ended, and its prompt's log probabilities."""
 
-    __slots__ = ("_done", "_ended", "_event", "_read", "seq")
+    __slots__ = ("_seq",)
+
+    def __init__(self, seq: Sequence) -> None:
+        self._seq = seq
+
+    @property
+    def request_id(self) -> str:
+        return self._seq.request_id
+
+    @property
+    def prompt(self) -> list[int]:
+        """A copy of the prompt's token ids."""
+        return self._seq.prompt
+
+    @property
+    def prompt_len(self) -> int:
+        return self._seq.prompt_len
+
+    @property
+    def num_generated(self) -> int:
+        return self._seq.num_generated
+
+    @property
+    def generated(self) -> list[int]:
+        """A copy of the generated tokens."""
+        return self._seq.generated
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """None while the request runs."""
+        return self._seq.finish_reason
+
+    @property
+    def error(self) -> BaseException | None:
+        """What ended it in error (``FinishReason.ERROR``), if anything did."""
+        return self._seq.error
+
+    @property
+    def prompt_logprobs(self) -> list[Logprobs | None] | None:
+        """A copy of the prompt's log-probability entries (None: not asked for)."""
+        found = self._seq.prompt_logprobs
+        return None if found is None else list(found)
+
+
+class RequestStream:
+    """Async iterator of ``Delta``s for one request, ending after the delta with a finish reason.
+    ``view``: the request, read-only (all the API reads of it)."""
+
+    __slots__ = ("_done", "_ended", "_event", "_read", "seq", "view")
 
     def __init__(self, seq: Sequence) -> None:
         self.seq = seq
+        self.view = RequestView(seq)
         self._read = seq.prompt_len
         self._event = asyncio.Event()
         self._done = False
@@ -40,6 +90,11 @@ class RequestStream:
     @property
     def request_id(self) -> str:
         return self.seq.request_id
+
+    def fork_source(self) -> Sequence:
+        """The request as ``Serving.prepare(fork_of=...)`` takes it (another choice of the same
+        prompt may start from its prompt cache); the API hands it on without reading it."""
+        return self.seq
 
     def notify(self) -> None:
         """Engine side: new tokens or a finish are available."""

@@ -4,6 +4,7 @@ below it imports from it (the engine, the models, serving, metrics, config)."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 APP = Path(__file__).resolve().parents[2] / "app"
@@ -73,3 +74,22 @@ def test_status_codes_are_decided_in_the_error_map_and_the_http_edge_only() -> N
         if str(path.relative_to(APP)) not in STATUS_DECIDERS and (found := status_codes(path))
     }
     assert offenders == {}
+
+
+# faults.py builds the stream of an injected failure from its Sequence (as the engine would)
+SEQUENCE_READERS = {"api/faults.py"}
+
+
+def test_the_api_reads_a_request_through_its_read_only_view() -> None:
+    """app/api reads a request through ``RequestStream.view`` (``RequestView``), never the
+    engine's live ``Sequence`` (``stream.seq``)."""
+    offenders = {
+        str(path.relative_to(APP)): [
+            f"line {n}"
+            for n, line in enumerate(path.read_text().splitlines(), 1)
+            if re.search(r"\.seq\b", line)
+        ]
+        for path in (APP / "api").rglob("*.py")
+        if str(path.relative_to(APP)) not in SEQUENCE_READERS
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}

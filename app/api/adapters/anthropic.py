@@ -204,11 +204,11 @@ class MessageEvents(generation.PartShaper):
         self.pinged = False
 
     def opening(self) -> Iterable[bytes]:
-        seq = self.run.stream.seq
+        view = self.run.stream.view
         message: dict[str, Any] = {
             "id": self.run.id, "type": "message", "role": "assistant", "model": self.model,
             "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": usage(seq.prompt_len, 0),
+            "usage": usage(view.prompt_len, 0),
         }  # fmt: skip
         yield _event("message_start", {"message": message})
         if self.run.plan is None:

@@ -334,7 +334,7 @@ async def _background(
         store.finished(entry)
         raise
     finally:
-        if run.stream.seq.finish_reason is None:  # cancelled from outside (shutdown)
+        if run.stream.view.finish_reason is None:  # cancelled from outside (shutdown)
             serving.abort(run.id)
     cancelled = entry.cancelled and outcome.finish_reason == "abort"
     final = shape.finished(outcome, "cancelled" if cancelled else None)
