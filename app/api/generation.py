@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -72,10 +73,6 @@ class InternalRequest:
     tools: ToolPlan | None = None  # the tools offered and the choice (calls read from the reply)
     more_prompts: list[list[int]] = field(default_factory=list)  # completions' further prompts
     n: int = 1  # choices per prompt
-
-    @property
-    def prompts(self) -> list[list[int]]:
-        return [self.prompt, *self.more_prompts]
 
 
 @dataclass(slots=True)
@@ -197,7 +194,7 @@ def start(request: Request, serving: Serving, internal: InternalRequest, key: st
     key's name."""
     lora = adapter(serving, internal.model)
     rank = data_parallel_rank(request, serving)
-    prompts = internal.prompts
+    prompts = [internal.prompt, *internal.more_prompts]
     check_room(serving, len(prompts), internal.n, rank)
     params = GenerationParams(
         prompt=internal.prompt, max_tokens=internal.max_tokens,
@@ -382,11 +379,6 @@ async def await_outcomes(request: Request, run: Run, serving: Serving) -> list[O
     return await until_disconnected(request, collect(run, serving), lambda: run.abort(serving))
 
 
-async def await_outcome(request: Request, run: Run, serving: Serving) -> Outcome:
-    """The one choice's outcome (``await_outcomes``)."""
-    return (await await_outcomes(request, run, serving))[0]
-
-
 class EventShaper(Protocol):
     """A protocol's streamed events, as encoded SSE bytes."""
 
@@ -414,31 +406,20 @@ class EventShaper(Protocol):
         ...
 
 
-class PartShaper:
-    """An ``EventShaper`` of a one-choice protocol, laid out part by part: subclasses give
-    ``opening``, ``text``, ``call_start``, ``call_arguments``, ``closing`` and ``failure``."""
+class PartShaper(ABC):
+    """``pieces``, ``ending`` and ``closed`` of an ``EventShaper`` for a one-choice protocol laid
+    out part by part: a subclass gives ``opening`` and ``failure``, then ``text`` (one non-empty
+    delta), ``call_start`` (a call's id and name; its arguments follow), ``call_arguments`` (a
+    piece of its JSON arguments) and ``closing`` (the end events, after the last text)."""
 
-    def opening(self) -> Iterable[bytes]:
-        raise NotImplementedError
-
-    def text(self, delta: str) -> Iterable[bytes]:
-        """One non-empty text delta."""
-        raise NotImplementedError
-
-    def call_start(self, index: int, call: ToolCall) -> Iterable[bytes]:
-        """A tool call begins (its id and name); its arguments follow."""
-        raise NotImplementedError
-
-    def call_arguments(self, index: int, delta: str) -> Iterable[bytes]:
-        """A piece of a tool call's arguments (JSON text)."""
-        raise NotImplementedError
-
-    def closing(self, outcome: Outcome) -> Iterable[bytes]:
-        """After the last text: the protocol's end events."""
-        raise NotImplementedError
-
-    def failure(self, error: APIError) -> Iterable[bytes]:
-        raise NotImplementedError
+    @abstractmethod
+    def text(self, delta: str) -> Iterable[bytes]: ...
+    @abstractmethod
+    def call_start(self, index: int, call: ToolCall) -> Iterable[bytes]: ...
+    @abstractmethod
+    def call_arguments(self, index: int, delta: str) -> Iterable[bytes]: ...
+    @abstractmethod
+    def closing(self, outcome: Outcome) -> Iterable[bytes]: ...
 
     def closed(self) -> None:
         return None

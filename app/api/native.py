@@ -59,7 +59,7 @@ async def cancel(request_id: str, serving: ServingDep, key_name: KeyNameDep) -> 
     return {"request_id": request_id, "cancelled": True}
 
 
-class NativeEvents(generation.PartShaper):
+class NativeEvents:
     """``token`` events (the piece's token ids and text), then ``done`` or ``error``."""
 
     def __init__(self, run: Run, serving: Serving) -> None:
@@ -79,6 +79,9 @@ class NativeEvents(generation.PartShaper):
 
     def failure(self, error: APIError) -> Iterable[bytes]:
         yield sse_event("error", error.body() | {"request_id": self.run.id})
+
+    def closed(self) -> None:
+        return None
 
 
 def done_payload(run: Run, serving: Serving) -> dict[str, Any]:

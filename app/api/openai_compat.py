@@ -227,11 +227,8 @@ class Shape:
             return []
         return [self.envelope(self.object_chunk, [self.delta(piece)])]
 
-    def opening_chunks(self) -> list[dict[str, Any]]:
-        return []
-
     def opening(self) -> Iterable[bytes]:
-        return [sse_event(None, chunk) for chunk in self.opening_chunks()]
+        return ()
 
     def pieces(self, piece: Piece, parts: list[Part]) -> Iterable[bytes]:
         return [sse_event(None, chunk) for chunk in self.chunks(piece, parts)]
@@ -294,12 +291,12 @@ class ChatShape(Shape):
     object_whole = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def opening_chunks(self) -> list[dict[str, Any]]:
+    def opening(self) -> Iterable[bytes]:
         return [
-            self.envelope(self.object_chunk, [
+            sse_event(None, self.envelope(self.object_chunk, [
                 {"index": i, "delta": {"role": "assistant", "content": ""},
                  "finish_reason": None, "logprobs": None}
-            ])
+            ]))
             for i in range(len(self.run.choices))
         ]  # fmt: skip
 

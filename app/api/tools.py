@@ -1,19 +1,17 @@
-"""Tool calling in the OpenAI chat API: the request fields (``tools``, ``tool_choice``,
-``parallel_tool_calls``, assistant ``tool_calls`` and ``tool`` messages), their checks (400s
-naming the field), the prompt (the chat template's own tool rendering when it has one, else the
-default format of app/structured/tools.py), and the reply: ``message.tool_calls`` with
-``finish_reason: "tool_calls"``, or streamed as OpenAI streams them (per call an ``index``, an
-``id`` and the function's name, then argument fragments)."""
+"""Tool calling on every protocol: the tools offered and the choice as a ``ToolPlan``
+(``plan_tools``: one checker, 400s naming the field; ``tool_plan`` reads chat's fields, whose
+schemas are in ``app.api.schemas``), the tool messages' checks, the prompt (the chat template's
+own tool rendering when it has one, else the default format of app/structured/tools.py), and
+chat's ``tool_calls`` entries (``call_json``). Calls are read back by ``app.api.tool_reader``."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+from typing import TYPE_CHECKING, Any
 
 from app.api.errors import APIError, InvalidField
+from app.api.schemas import ChatCompletionRequest, ChatMessage, NamedToolChoice, ToolDef
 from app.structured.tools import (
     ToolCall,
     ToolChoice,
@@ -26,61 +24,10 @@ from app.structured.tools import (
 )
 
 if TYPE_CHECKING:
-    from app.api.schemas import ChatCompletionRequest, ChatMessage
     from app.serving import Serving
     from app.structured.constraint import Constraint
 
-# a tool's name, wherever a client sends one that is rendered into the prompt (a tool, an
-# earlier call), on every protocol: OpenAI's pattern, so no name can close a tool-call block
-FunctionName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
 ARGUMENT_FRAGMENT = 24  # characters per streamed argument fragment (when not streamed as made)
-
-
-class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    name: FunctionName
-    description: StrictStr | None = None
-    parameters: dict[str, Any] | None = None
-    strict: StrictBool | None = None
-
-
-class ToolDef(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class NamedFunction(BaseModel):
-    name: StrictStr
-
-
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class CalledFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    name: FunctionName  # rendered into the prompt, as a tool's name is
-    arguments: StrictStr
-
-
-class MessageToolCall(BaseModel):
-    """An earlier assistant message's call, as the client sends it back."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    id: StrictStr
-    type: Literal["function"] = "function"
-    function: CalledFunction
-
-
-ToolChoiceField = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,51 +49,51 @@ class ToolPlan:
 
 def tool_plan(body: ChatCompletionRequest, serving: Serving) -> ToolPlan | None:
     """The chat request's tool plan (None: no tools offered), checked (``plan_tools``)."""
-    tools = [_spec(tool) for tool in body.tools or []]
     field = body.tool_choice
-    if isinstance(field, NamedToolChoice):
-        mode, name, label = ToolMode.NAMED, field.function.name, "function"
-    else:
-        mode = ToolMode(field) if field is not None else ToolMode.AUTO
-        name, label = None, str(field)
+    choice, name = (
+        ("function", field.function.name) if isinstance(field, NamedToolChoice) else (field, None)
+    )
     formatted = any(
         value is not None and getattr(value, "type", None) != "text"
         for value in (body.response_format, body.structured_outputs)
     )  # a reply format governs the content: a mock then answers instead of calling
     parallel = body.parallel_tool_calls is not False
-    return plan_tools(tools, mode, name, parallel, serving, label=label, decide=not formatted,
-                      explicit=field is not None)  # fmt: skip
+    tools = [_spec(tool) for tool in body.tools or []]
+    return plan_tools(tools, choice, name, parallel, serving, decide=not formatted)
+
+
+# each protocol's tool choices (OpenAI's, Anthropic's) as modes
+MODES = {"none": ToolMode.NONE, "auto": ToolMode.AUTO, "required": ToolMode.REQUIRED,
+         "any": ToolMode.REQUIRED, "function": ToolMode.NAMED, "tool": ToolMode.NAMED}  # fmt: skip
 
 
 def plan_tools(
     specs: list[ToolSpec],
-    mode: ToolMode,
+    choice: str | None,
     name: str | None,
     parallel: bool,
     serving: Serving,
     *,
-    label: str,
     name_param: str = "tool_choice",
     decide: bool = True,
-    explicit: bool = True,
 ) -> ToolPlan | None:
     """The tools offered and the choice, as every protocol reads them (None: no tools, or the
-    choice ``none``). 400 ``invalid_tool_choice`` for a named choice (``name``) that names no
-    offered tool (``name_param``), or a choice (``label``: as the client spelt it) that needs
-    tools when none are offered; no tools and no choice given (``explicit`` False) means none.
-    ``decide``: a mock decides now whether it calls a tool under ``auto`` (False: a reply format
-    governs the content, or the prompt is only counted)."""
+    choice ``none``). ``choice``: as the client spelt it (``MODES``; None: not given, ``auto``
+    with tools, else none); ``name``: the function a named choice names. 400
+    ``invalid_tool_choice`` for a named choice that names no offered tool (``name_param``), or a
+    choice that needs tools when none are offered. ``decide``: a mock decides now whether it
+    calls a tool under ``auto`` (False: a reply format governs the content, or the prompt is
+    only counted)."""
+    mode = MODES[choice] if choice is not None else ToolMode.AUTO if specs else ToolMode.NONE
     if mode is ToolMode.NAMED and name not in {spec.name for spec in specs}:
         offered = ", ".join(spec.name for spec in specs) or "none"
         message = f"tool_choice names {name!r}, which is not in tools (offered: {offered})"
         raise InvalidField(message, param=name_param, code="invalid_tool_choice")
-    if not specs and (mode is ToolMode.NONE or not explicit):
-        return None
-    if mode is not ToolMode.NONE and not specs:
-        raise InvalidField(f"tool_choice {label!r} needs tools", param="tool_choice",
-                           code="invalid_tool_choice")  # fmt: skip
     if mode is ToolMode.NONE:
         return None
+    if not specs:
+        raise InvalidField(f"tool_choice {choice!r} needs tools", param="tool_choice",
+                           code="invalid_tool_choice")  # fmt: skip
     if mode is ToolMode.AUTO and decide and serving.mock_calls_tool():
         mode = ToolMode.REQUIRED
     return ToolPlan(specs, ToolChoice(mode, name if mode is ToolMode.NAMED else None), parallel)

@@ -9,7 +9,9 @@ larger deltas, and the stream holds nothing beyond the sequence itself.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
+from typing import Protocol
 
 from app.engine.types import FinishReason, Sequence
 from app.models.protocol import Logprobs
@@ -25,63 +27,36 @@ class Delta:
     logprobs: list[Logprobs | None] | None = None  # one per token, when the request asked
 
 
-class RequestView:
-    """What the API may read of one request, read-only (the ``Sequence`` stays the engine's):
-    its id, prompt, output tokens, how it ended, and its prompt's log probabilities."""
-
-    __slots__ = ("_seq",)
-
-    def __init__(self, seq: Sequence) -> None:
-        self._seq = seq
+class RequestView(Protocol):
+    """What the API may read of one request, read-only (the type checker refuses a write; the
+    ``Sequence`` behind it stays the engine's): its id, prompt, output, how it ended."""
 
     @property
-    def request_id(self) -> str:
-        return self._seq.request_id
-
+    def request_id(self) -> str: ...
     @property
-    def prompt(self) -> list[int]:
-        """A copy of the prompt's token ids."""
-        return self._seq.prompt
-
+    def prompt(self) -> list[int]: ...  # a copy
     @property
-    def prompt_len(self) -> int:
-        return self._seq.prompt_len
-
+    def prompt_len(self) -> int: ...
     @property
-    def num_generated(self) -> int:
-        return self._seq.num_generated
-
+    def num_generated(self) -> int: ...
     @property
-    def generated(self) -> list[int]:
-        """A copy of the generated tokens."""
-        return self._seq.generated
-
+    def generated(self) -> list[int]: ...  # a copy
     @property
-    def finish_reason(self) -> FinishReason | None:
-        """None while the request runs."""
-        return self._seq.finish_reason
-
+    def finish_reason(self) -> FinishReason | None: ...  # None while it runs
     @property
-    def error(self) -> BaseException | None:
-        """What ended it in error (``FinishReason.ERROR``), if anything did."""
-        return self._seq.error
-
+    def error(self) -> BaseException | None: ...  # what ended it in error, if anything did
     @property
-    def prompt_logprobs(self) -> list[Logprobs | None] | None:
-        """A copy of the prompt's log-probability entries (None: not asked for)."""
-        found = self._seq.prompt_logprobs
-        return None if found is None else list(found)
+    def prompt_logprobs(self) -> Sequence_[Logprobs | None] | None: ...  # None: not asked
 
 
 class RequestStream:
     """Async iterator of ``Delta``s for one request, ending after the delta with a finish reason.
     ``view``: the request, read-only (all the API reads of it)."""
 
-    __slots__ = ("_done", "_ended", "_event", "_read", "seq", "view")
+    __slots__ = ("_done", "_ended", "_event", "_read", "seq")
 
     def __init__(self, seq: Sequence) -> None:
         self.seq = seq
-        self.view = RequestView(seq)
         self._read = seq.prompt_len
         self._event = asyncio.Event()
         self._done = False
@@ -90,6 +65,10 @@ class RequestStream:
     @property
     def request_id(self) -> str:
         return self.seq.request_id
+
+    @property
+    def view(self) -> RequestView:
+        return self.seq
 
     def fork_source(self) -> Sequence:
         """The request as ``Serving.prepare(fork_of=...)`` takes it (another choice of the same

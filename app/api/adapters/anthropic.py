@@ -33,11 +33,11 @@ from app.api.adapters.anthropic_schemas import (
 )
 from app.api.deps import KeyNameDep, ServingDep
 from app.api.errors import ERROR_RESPONSES, APIError, InvalidField, anthropic_type
-from app.api.schemas import ChatMessage
+from app.api.schemas import CalledFunction, ChatMessage, MessageToolCall
 from app.api.streaming import sse_event
-from app.api.tools import CalledFunction, MessageToolCall, ToolPlan
+from app.api.tools import ToolPlan
 from app.serving import Serving
-from app.structured.tools import ToolCall, ToolMode, ToolSpec
+from app.structured.tools import ToolCall, ToolSpec
 
 router = APIRouter(prefix="/v1", tags=["anthropic"])
 
@@ -65,7 +65,7 @@ async def messages(
         response = generation.stream_response(run, serving, MessageEvents(run, model))
     else:
         try:
-            outcome = await generation.await_outcome(request, run, serving)
+            outcome = (await generation.await_outcomes(request, run, serving))[0]
         except generation.ModelFailed as err:
             raise err.error from err
         response = JSONResponse(message_object(run.id, model, outcome))
@@ -84,18 +84,12 @@ def tool_plan(body: CountTokensRequest, serving: Serving, decide: bool) -> ToolP
     """The tools offered and the choice (None: no tools); 400 naming the field for a server
     tool, a tool without ``input_schema``, or a choice that names no offered tool.
     ``decide``: let a mock decide now whether it calls a tool under ``auto``."""
-    specs = [_spec(tool, index) for index, tool in enumerate(body.tools)]
     field = body.tool_choice
-    mode = CHOICES[field.type] if field is not None else ToolMode.AUTO
-    name = field.name if field is not None and mode is ToolMode.NAMED else None
+    name = field.name if field is not None and field.type == "tool" else None
     parallel = not (field is not None and field.disable_parallel_tool_use)
-    return tools.plan_tools(specs, mode, name, parallel, serving, label=field.type if field else "",
-                            name_param="tool_choice.name", decide=decide,
-                            explicit=field is not None)  # fmt: skip
-
-
-CHOICES = {"auto": ToolMode.AUTO, "any": ToolMode.REQUIRED, "tool": ToolMode.NAMED,
-           "none": ToolMode.NONE}  # fmt: skip
+    return tools.plan_tools([_spec(tool, index) for index, tool in enumerate(body.tools)],
+                            field.type if field else None, name, parallel, serving,
+                            name_param="tool_choice.name", decide=decide)  # fmt: skip
 
 
 def _spec(tool: ToolDef, index: int) -> ToolSpec:
@@ -250,6 +244,3 @@ class MessageEvents(generation.PartShaper):
     def failure(self, error: APIError) -> Iterable[bytes]:
         kind = anthropic_type(error.status)
         yield _event("error", {"error": {"type": kind, "message": error.message}})
-
-    def closed(self) -> None:
-        return None

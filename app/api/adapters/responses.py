@@ -48,12 +48,12 @@ from app.api.errors import (
     documented,
 )
 from app.api.logprobs import TokenText, chat_content
-from app.api.schemas import ChatMessage
+from app.api.schemas import CalledFunction, ChatMessage, MessageToolCall
 from app.api.streaming import sse_event
-from app.api.tools import CalledFunction, MessageToolCall, ToolPlan
+from app.api.tools import ToolPlan
 from app.serving import Serving
 from app.structured.constraint import Constraint
-from app.structured.tools import ToolCall, ToolMode, ToolSpec
+from app.structured.tools import ToolCall, ToolSpec
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 log = logging.getLogger("slotserve.api")
@@ -102,7 +102,7 @@ async def create(
         response = generation.stream_response(run, serving, ResponseEvents(shape, keep))
     else:
         try:
-            outcome = await generation.await_outcome(request, run, serving)
+            outcome = (await generation.await_outcomes(request, run, serving))[0]
         except generation.ModelFailed as err:
             raise err.error from err
         entry.response = shape.finished(outcome)
@@ -175,15 +175,11 @@ def tool_plan(body: ResponsesRequest, serving: Serving) -> ToolPlan | None:
     specs = [ToolSpec(t.name or "", t.description or "", t.parameters or {"type": "object"})
              for t in body.tools]  # fmt: skip
     field = body.tool_choice
-    if isinstance(field, NamedChoice):
-        mode, name, label = ToolMode.NAMED, field.name, "function"
-    else:
-        mode, name, label = ToolMode(field or "auto"), None, str(field)
+    choice, name = ("function", field.name) if isinstance(field, NamedChoice) else (field, None)
     # a mock decides whether to call under auto, unless the text has a format to follow
-    return tools.plan_tools(specs, mode, name, body.parallel_tool_calls is not False, serving,
-                            label=label, name_param="tool_choice.name",
-                            decide=text_constraint(body) is None,
-                            explicit=field is not None)  # fmt: skip
+    return tools.plan_tools(specs, choice, name, body.parallel_tool_calls is not False, serving,
+                            name_param="tool_choice.name",
+                            decide=text_constraint(body) is None)  # fmt: skip
 
 
 def output_constraint(
