@@ -329,12 +329,14 @@ def _seen(choice: Choice, piece: Piece) -> Piece:
     return piece
 
 
-async def all_texts(run: Run, serving: Serving) -> AsyncIterator[Piece]:
+def all_texts(run: Run, serving: Serving) -> AsyncIterator[Piece]:
     """Every choice's pieces, as they come (one choice: its pieces directly)."""
     if len(run.choices) == 1:
-        async for piece in texts(run, serving, run.choices[0]):
-            yield piece
-        return
+        return texts(run, serving, run.choices[0])
+    return _merged(run, serving)
+
+
+async def _merged(run: Run, serving: Serving) -> AsyncIterator[Piece]:
     queue: asyncio.Queue[Piece | Exception | None] = asyncio.Queue()
 
     async def pump(choice: Choice) -> None:
@@ -447,26 +449,21 @@ def parts(choice: Choice, piece: Piece) -> list[Part]:
 async def events(run: Run, serving: Serving, shaper: EventShaper) -> AsyncIterator[bytes]:
     """The SSE bytes of ``run`` laid out by ``shaper`` (tool calls read as they stream)."""
     try:
-        async for event in _events(run, serving, shaper):
+        for event in shaper.opening():
+            yield event
+        try:
+            async for piece in all_texts(run, serving):
+                for event in shaper.pieces(piece, parts(run.choices[piece.index], piece)):
+                    yield event
+        except ModelFailed as err:
+            run.abort(serving)
+            for event in shaper.failure(err.error):
+                yield event
+            return
+        for event in shaper.ending([choice.outcome(run.plan) for choice in run.choices]):
             yield event
     finally:
         shaper.closed()
-
-
-async def _events(run: Run, serving: Serving, shaper: EventShaper) -> AsyncIterator[bytes]:
-    for event in shaper.opening():
-        yield event
-    try:
-        async for piece in all_texts(run, serving):
-            for event in shaper.pieces(piece, parts(run.choices[piece.index], piece)):
-                yield event
-    except ModelFailed as err:
-        run.abort(serving)
-        for event in shaper.failure(err.error):
-            yield event
-        return
-    for event in shaper.ending([choice.outcome(run.plan) for choice in run.choices]):
-        yield event
 
 
 def stream_response(run: Run, serving: Serving, shaper: EventShaper) -> Response:

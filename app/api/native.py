@@ -70,9 +70,10 @@ class NativeEvents:
         return ()
 
     def pieces(self, piece: Piece, parts: list[Part]) -> Iterable[bytes]:
-        if piece.tokens or piece.text:  # the hot path: built by hand, the JSON json.dumps writes
-            ids = ",".join(map(str, piece.tokens))
-            yield f'{self.head}{ids}],"text":{json.dumps(piece.text)}}}\n\n'.encode()
+        if not (piece.tokens or piece.text):
+            return ()
+        ids = ",".join(map(str, piece.tokens))  # the hot path: by hand, the JSON json.dumps writes
+        return (f'{self.head}{ids}],"text":{json.dumps(piece.text)}}}\n\n'.encode(),)
 
     def ending(self, outcomes: list[Outcome]) -> Iterable[bytes]:
         yield sse_event("done", done_payload(self.run, self.serving))
