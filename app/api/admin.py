@@ -9,14 +9,14 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.api.deps import KeyNameDep, ServingDep
-from app.api.errors import error_body, not_serving
+from app.api.errors import Unavailable, documented, not_serving, response_for
 
 router = APIRouter(tags=["operations"])
 
 
 @router.get(
     "/health",
-    responses={503: {"description": "loading the model, draining, or the engine is dead"}},
+    responses=documented((Unavailable, "loading the model, draining, or the engine is dead")),
 )
 async def health(serving: ServingDep) -> Response:
     """200 while serving; 503 while a real model loads (or failed to load), while draining for
@@ -26,8 +26,7 @@ async def health(serving: ServingDep) -> Response:
     if state == "ok":
         return JSONResponse({"status": "ok"})
     err = not_serving(state)
-    body = error_body(err.message, err.type, err.param, err.code)
-    return JSONResponse(body | {"status": state}, status_code=err.status)
+    return response_for(err, {"status": state})
 
 
 @router.get("/metrics")

@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from app.api.auth import STATE_KEY
-from app.api.errors import APIError
+from app.api.errors import InvalidField
 from app.serving import Serving
 
 
@@ -42,8 +42,8 @@ def data_parallel_rank(request: Request, serving: Serving) -> int | None:
     rank = int(text) if digits else -1
     if not 0 <= rank < ranks:
         shown = value if len(value) <= 32 else value[:32] + "..."
-        raise APIError(400, f"{RANK_HEADER} must be an integer in [0, {ranks}), got {shown!r}",
-                       param=RANK_HEADER, code="invalid_data_parallel_rank")  # fmt: skip
+        raise InvalidField(f"{RANK_HEADER} must be an integer in [0, {ranks}), got {shown!r}",
+                           param=RANK_HEADER, code="invalid_data_parallel_rank")  # fmt: skip
     return rank
 
 

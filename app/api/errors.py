@@ -9,7 +9,7 @@ import json
 import logging
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,24 +37,76 @@ INVALID = "invalid_request_error"
 
 
 class APIError(Exception):
-    """An error answer: raised anywhere in a handler, rendered by the installed handler."""
+    """An error answer, raised anywhere below the routes as one of the kinds below (a field the
+    client got wrong, something not found, ...). Its kind decides its HTTP status, here and
+    nowhere else; the installed handlers render it in OpenAI's shape (``body``), and on
+    ``/v1/messages`` in Anthropic's (``anthropic_error``). ``type``: the shape's error type
+    (the kind's own unless given)."""
+
+    status: ClassVar[int] = 500
+    kind: ClassVar[str] = "server_error"
 
     def __init__(
         self,
-        status: int,
         message: str,
-        type: str = INVALID,
+        type: str | None = None,
         *,
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
-        self.status, self.message, self.type = status, message, type
+        self.message, self.type = message, type or self.kind
         self.param, self.code, self.headers = param, code, headers
+
+    @property
+    def server_fault(self) -> bool:
+        """Our fault (5xx), not the client's."""
+        return self.status >= 500
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
+
+    def json(self) -> bytes:
+        return json.dumps(self.body()).encode()
+
+
+def _kind(name: str, status: int, kind: str, doc: str) -> type[APIError]:
+    """An error kind: its HTTP status and its default error type."""
+    return type(name, (APIError,), {"status": status, "kind": kind, "__doc__": doc})
+
+
+# The error map: each kind of error and its HTTP status (decided here, and only here).
+InvalidField = _kind("InvalidField", 400, INVALID, "A field or header the client got wrong.")
+Unauthorized = _kind("Unauthorized", 401, "authentication_error", "No valid API key.")
+NotFound = _kind("NotFound", 404, "not_found_error", "What the request names does not exist.")
+Conflict = _kind("Conflict", 409, INVALID, "It clashes with a live request (a duplicate id).")
+TooLarge = _kind("TooLarge", 413, INVALID, "The request body passes its bound.")
+Overloaded = _kind("Overloaded", 429, "overloaded_error", "Full now: retry (Retry-After).")
+ServerFault = _kind("ServerFault", 500, "server_error", "Our fault: a failed model call, a bug.")
+Unavailable = _kind("Unavailable", 503, "service_unavailable", "Not serving now (loading, ...).")
+
+
+def documented(*answers: tuple[type[APIError], str]) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI's ``responses`` of a route: each kind of error it may answer, described."""
+    return {kind.status: {"description": text} for kind, text in answers}
+
+
+# the error answers of the generation routes
+ERROR_RESPONSES = documented(
+    (InvalidField, "invalid request"),
+    (Unauthorized, "missing or invalid API key"),
+    (Conflict, "a live request already has this request_id"),
+    (TooLarge, "body too large"),
+    (Overloaded, "waiting queue full (see Retry-After)"),
+    (Unavailable, "draining or engine dead"),
+)
+
+
+def response_for(err: APIError, extra: dict[str, Any] | None = None) -> JSONResponse:
+    """The HTTP response of ``err`` (handlers and pure-ASGI middleware answer alike);
+    ``extra``: fields next to ``error`` in the body."""
+    return JSONResponse(err.body() | (extra or {}), status_code=err.status, headers=err.headers)
 
 
 def error_body(
@@ -74,11 +126,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
-
-
-def response_for(err: APIError) -> JSONResponse:
-    """The HTTP response of ``err`` (handlers and pure-ASGI middleware answer alike)."""
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
@@ -188,40 +235,39 @@ def refusal(err: EngineError) -> APIError:
     draining or engine dead. 429 and 503 carry ``Retry-After``."""
     retry = {"Retry-After": RETRY_AFTER}
     if isinstance(err, QueueFullError):
-        return APIError(429, str(err), "overloaded_error", code="queue_full", headers=retry)
+        return Overloaded(str(err), code="queue_full", headers=retry)
     if isinstance(err, DuplicateRequestError):
-        return APIError(409, str(err), param="request_id", code="duplicate_request_id")
+        return Conflict(str(err), param="request_id", code="duplicate_request_id")
     if isinstance(err, ModelLoadFailedError):  # permanent: no Retry-After
-        return APIError(503, str(err), "service_unavailable", code="load_failed")
+        return Unavailable(str(err), code="load_failed")
     if isinstance(err, ModelLoadingError):
-        return APIError(503, str(err), "service_unavailable", code="loading", headers=retry)
+        return Unavailable(str(err), code="loading", headers=retry)
     if isinstance(err, NotReadyError):  # asleep, or within --startup-delay
-        return APIError(503, str(err), "service_unavailable", code=err.code, headers=retry)
+        return Unavailable(str(err), code=err.code, headers=retry)
     code = "draining" if isinstance(err, EngineDrainingError) else "engine_dead"
-    return APIError(503, str(err), "service_unavailable", code=code, headers=retry)
+    return Unavailable(str(err), code=code, headers=retry)
 
 
 def invalid_api_key() -> APIError:
     """401 for a missing or wrong ``Authorization: Bearer <key>`` (or ``x-api-key``)."""
-    return APIError(401, "missing or invalid API key (Authorization: Bearer <key> or x-api-key)",
-                    "authentication_error", code="invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+    return Unauthorized("missing or invalid API key (Authorization: Bearer <key> or x-api-key)",
+                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
 
 
 def not_serving(state: str) -> APIError:
     """503 while the server does not serve (``state`` says why: draining, engine_dead, ...)."""
-    return APIError(503, f"not serving: {state}", "service_unavailable", code=state)
+    return Unavailable(f"not serving: {state}", code=state)
 
 
 def too_many_watchers(limit: int) -> APIError:
     """503 for a dashboard stream past the open streams' bound (one may close: retry)."""
-    return APIError(503, f"at most {limit} dashboards may watch at once", "service_unavailable",
-                    code="too_many_watchers", headers={"Retry-After": RETRY_AFTER})  # fmt: skip
+    return Unavailable(f"at most {limit} dashboards may watch at once",
+                       code="too_many_watchers", headers={"Retry-After": RETRY_AFTER})  # fmt: skip
 
 
 def invalid_request(err: InvalidRequestError) -> APIError:
     """400 for a request the model cannot take (``app.serving`` says why and which field)."""
-    return APIError(400, str(err), param=err.param, code=err.code)
+    return InvalidField(str(err), param=err.param, code=err.code)
 
 
 def context_length_exceeded(prompt_len: int, max_tokens: int, context: int) -> APIError:
@@ -231,8 +277,8 @@ def context_length_exceeded(prompt_len: int, max_tokens: int, context: int) -> A
 
 def model_not_found(requested: str, served: str) -> APIError:
     """404 for an OpenAI ``model`` that this server does not serve."""
-    return APIError(404, f"model {requested!r} does not exist; this server serves {served!r}",
-                    "not_found_error", param="model", code="model_not_found")  # fmt: skip
+    return NotFound(f"model {requested!r} does not exist; this server serves {served!r}",
+                    param="model", code="model_not_found")  # fmt: skip
 
 
 def model_failed_message(error: BaseException | None) -> str:
@@ -248,5 +294,44 @@ def generation_failed(error: BaseException | None, grammar_param: str | None) ->
     if isinstance(error, GrammarLimitError):
         param = grammar_param or "response_format"
         message = f"{param}: the grammar engine gave up on this grammar mid-generation: {error}"
-        return APIError(400, message, param=param, code="invalid_grammar")
-    return APIError(500, model_failed_message(error), "server_error", code="model_error")
+        return InvalidField(message, param=param, code="invalid_grammar")
+    return ServerFault(model_failed_message(error), code="model_error")
+
+
+# --- Anthropic's shape (on /v1/messages, app.api.adapters.anthropic_errors) ----------------
+
+ANTHROPIC_OVERLOADED = 529
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    ANTHROPIC_OVERLOADED: "overloaded_error",
+}  # any other 4xx: invalid_request_error; any other 5xx: api_error
+ANTHROPIC_STATUS = {Unavailable.status: ANTHROPIC_OVERLOADED}
+
+
+def anthropic_error(status: int, body: bytes) -> tuple[int, bytes]:
+    """The status and body of an error answer in Anthropic's shape."""
+    status = ANTHROPIC_STATUS.get(status, status)
+    try:
+        error = json.loads(body)["error"]
+        message, param = str(error["message"]), error.get("param")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        message, param = body.decode("utf-8", "replace"), None
+    if isinstance(param, str) and param not in message:  # Anthropic's shape has no param
+        message = f"{param}: {message}"
+    shaped = {"type": "error", "error": {"type": anthropic_type(status), "message": message}}
+    return status, json.dumps(shaped).encode()
+
+
+def anthropic_type(status: int) -> str:
+    """Anthropic's error type for an answer of this status."""
+    return ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+
+
+def is_error(status: int) -> bool:
+    """Whether an HTTP answer of this status is an error answer."""
+    return status >= 400

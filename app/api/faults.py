@@ -37,6 +37,7 @@ from fastapi import Request
 
 from app.api.errors import (
     APIError,
+    InvalidField,
     context_length_exceeded,
     invalid_api_key,
     model_not_found,
@@ -133,9 +134,9 @@ class FaultInjector:
         if (fail is None and after is None) or self.allow_headers:
             return _failure_type(fail), _token_count(after)
         name = FAIL_HEADER if fail is not None else FAIL_AFTER_HEADER
-        raise APIError(400, f"the {name} header is refused: this server injects no failures on "
-                       "request (start it with --allow-fault-headers to allow that)",
-                       param=name, code="fault_headers_not_allowed")  # fmt: skip
+        raise InvalidField(f"the {name} header is refused: this server injects no failures on "
+                           "request (start it with --allow-fault-headers to allow that)",
+                           param=name, code="fault_headers_not_allowed")  # fmt: skip
 
     def _inject(
         self, failure: str, seq: Sequence, settings: Settings, model: str | None
@@ -181,8 +182,9 @@ def _failure_type(value: str | None) -> str | None:
         return None
     name = value.strip().lower()
     if name not in FAILURE_TYPES:
-        raise APIError(400, f"{FAIL_HEADER} must be one of {', '.join(FAILURE_TYPES)}; got "
-                       f"{value!r}", param=FAIL_HEADER, code="invalid_fault_header")  # fmt: skip
+        raise InvalidField(f"{FAIL_HEADER} must be one of {', '.join(FAILURE_TYPES)}; got "
+                           f"{value!r}", param=FAIL_HEADER,
+                           code="invalid_fault_header")  # fmt: skip
     return name
 
 
@@ -191,9 +193,9 @@ def _token_count(value: str | None) -> int | None:
         return None
     text = value.strip()
     if not (text.isascii() and text.isdigit() and len(text) <= 9):
-        raise APIError(400, f"{FAIL_AFTER_HEADER} must be a number of tokens (0 to 999999999); "
-                       f"got {value!r}", param=FAIL_AFTER_HEADER,
-                       code="invalid_fault_header")  # fmt: skip
+        raise InvalidField(f"{FAIL_AFTER_HEADER} must be a number of tokens (0 to 999999999); "
+                           f"got {value!r}", param=FAIL_AFTER_HEADER,
+                           code="invalid_fault_header")  # fmt: skip
     return int(text)
 
 

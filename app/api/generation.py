@@ -1,25 +1,33 @@
-"""One internal request and one output stream, shared by the protocol adapters.
+"""One generation path under every protocol: chat, completions, ``/generate``, Responses and
+Messages are event shapers over it.
 
-A protocol adapter (``/v1/messages``, ``/v1/responses``, ...) only translates:
+A protocol module only translates:
 
-1. its body into an ``InternalRequest`` (prompt ids, ``max_tokens``, sampling, stop rules,
-   the output constraint, priority, user, the model the body named);
-2. ``start`` submits it ONCE, through failure injection (``faults.submit``), so injected
-   failures, the engine's request counters (``vllm:request_success_total``) and its log line
-   are the same as on chat completions; it returns a ``Run``;
-3. the ``Run``'s output is read as text deltas with stop strings cut (``texts``) and either
-   streamed (``stream_response``: SSE with the send-timeout watchdog and cancel on disconnect;
-   the adapter's ``EventShaper`` lays out the protocol's events, including the error event a
-   failed model call ends the stream with) or awaited whole (``await_outcome``: a client that
-   leaves first aborts the request; a failed model call raises ``ModelFailed``) and shaped by
-   the adapter.
+1. its body into an ``InternalRequest`` (prompts, ``n``, ``max_tokens``, sampling, stop rules,
+   the output constraint, the tools offered, priority, user, the model the body named);
+2. ``start`` submits it (through failure injection, ``faults.submit``, so injected failures,
+   the engine's request counters and its log line are the same on every route), then its other
+   choices (``n``, several prompts) as requests of their own that fork from their prompt's
+   first; it returns a ``Run``;
+3. the ``Run``'s output is read here, once for every protocol: per choice, text ``Piece``s with
+   stop strings cut (``StopStringMatcher`` with ``min_tokens``, as the engine's stop
+   condition), the tokens (and log probabilities) whose text each piece shows
+   (``AlignedTokens``), tool calls read as they stream (``CallReader``) or from the whole reply
+   (``read_calls``), usage. It is either streamed (``stream_response``: SSE with the
+   send-timeout watchdog and cancel on disconnect; the protocol's ``EventShaper`` lays out the
+   events, including the error event a failed model call ends the stream with) or awaited whole
+   (``await_outcomes``: a client that leaves first aborts the request; a failed model call
+   raises ``ModelFailed``) and laid out by the protocol.
 
-Nothing here knows a protocol's field names; nothing in an adapter touches the engine.
+Nothing here knows a protocol's field names; nothing in a protocol module touches the engine.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -28,11 +36,11 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from app.api import faults
+from app.api.aligned_tokens import AlignedTokens
 from app.api.deps import data_parallel_rank
-from app.api.errors import APIError, generation_failed, model_not_found
-from app.api.native import flag_ignored_priority
+from app.api.errors import APIError, InvalidField, generation_failed, model_not_found
 from app.api.streaming import sse_response, until_disconnected
-from app.api.tool_reader import CallReader, CallStart, Piece, TextPiece, read_calls
+from app.api.tool_reader import CallReader, CallStart, Part, TextPiece, read_calls
 from app.api.tools import ToolPlan
 from app.engine.stop_strings import StopStringMatcher
 from app.engine.stream import RequestStream
@@ -52,22 +60,40 @@ class InternalRequest:
     sampling: SamplingParams = DEFAULT_SAMPLING
     stop_strings: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    bad_words: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     priority: int = 0
     user: str | None = None  # the body's own user field (a named API key wins)
     model: str | None = None  # the model the body named: the served one, or a LoRA adapter
     stream: bool = False
     id_prefix: str = "gen"
+    request_id: str | None = None  # the client's own id (/generate), else one is made
     constraint: Constraint | None = None  # what the output must match (structured outputs)
     constraint_param: str = "response_format"  # the field that asked for it (named in a 400)
     tools: ToolPlan | None = None  # the tools offered and the choice (calls read from the reply)
+    more_prompts: list[list[int]] = field(default_factory=list)  # completions' further prompts
+    n: int = 1  # choices per prompt
+
+
+@dataclass(slots=True)
+class Piece:
+    """A part of one choice's reply: its text, the tokens it came from (with their log
+    probabilities when asked for: only those whose text it shows) and, on the last one, the
+    finish reason."""
+
+    text: str
+    reason: str | None
+    tokens: list[int]
+    logprobs: list[Logprobs | None] | None = None
+    index: int = 0  # the choice it belongs to
 
 
 @dataclass(slots=True)
 class Outcome:
-    """How a request ended. ``text``: the reply's content (without its tool calls);
+    """How one choice ended. ``text``: the reply's content (without its tool calls);
     ``finish_reason``: ``stop`` (end of sequence or a stop string), ``length`` or ``abort``;
-    ``stop_sequence``: the stop string that ended it, if one did; ``calls``: the tool calls."""
+    ``stop_sequence``: the stop string that ended it, if one did; ``calls``: the tool calls;
+    ``tokens`` and ``logprobs``: the tokens the text shows (log probabilities when asked)."""
 
     text: str
     finish_reason: str
@@ -75,57 +101,86 @@ class Outcome:
     prompt_tokens: int
     completion_tokens: int
     calls: list[ToolCall] = field(default_factory=list)
+    index: int = 0
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[Logprobs | None] | None = None
+
+
+@dataclass(slots=True)
+class Choice:
+    """One choice in flight: its engine stream and its text post-processing."""
+
+    index: int
+    stream: RequestStream
+    matcher: StopStringMatcher
+    reader: CallReader | None  # streamed with tools: the calls read as they come
+    texts: list[str] = field(default_factory=list)  # the text shown so far
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[Logprobs | None] | None = None
+    reason: str = FinishReason.ABORT.value
+
+    def outcome(self, plan: ToolPlan | None) -> Outcome:
+        """The choice's outcome once it has ended (its calls read from the whole reply, or as
+        its ``reader`` streamed them)."""
+        view = self.stream.view
+        text, calls = "".join(self.texts), []
+        if self.reader is not None:
+            text, calls = self.reader.content, self.reader.calls
+        elif plan is not None:
+            text, calls = read_calls(text, self.reason, plan)
+        return Outcome(text, self.reason, self.matcher.matched, view.prompt_len,
+                       view.num_generated, calls, self.index, self.tokens,
+                       self.logprobs)  # fmt: skip
 
 
 @dataclass(slots=True)
 class Run:
-    """One submitted request: its engine stream and its text post-processing."""
+    """One submitted request: one choice per engine request (choice ``k`` answers prompt
+    ``k // n``)."""
 
     id: str
-    stream: RequestStream
-    stops: list[str]
+    choices: list[Choice]
     plan: ToolPlan | None = None
     grammar_param: str | None = None  # the field that set the request's grammar, if one did
     model: str = ""  # the model the reply names: the one the body named, else the served one
+    top: int | None = None  # alternatives per token when log probabilities were asked for
+    n: int = 1  # choices per prompt
     created: int = field(default_factory=lambda: int(time.time()))
-    matcher: StopStringMatcher = field(init=False)
-    raw: list[str] = field(default_factory=list)  # decoded text before stop strings are cut
-    emitted: int = 0  # characters shown so far
-    # with log probabilities asked for: the generated tokens so far and their entries
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[Logprobs | None] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        self.matcher = StopStringMatcher(self.stops)
+    @property
+    def stream(self) -> RequestStream:
+        """Choice 0's stream (the prompt's facts when there is one prompt)."""
+        return self.choices[0].stream
 
-    def stop_sequence(self) -> str | None:
-        """The stop string the text was cut at, once one was hit."""
-        if not self.matcher.hit:
-            return None
-        raw = "".join(self.raw)
-        return next((s for s in self.stops if raw.startswith(s, self.emitted)), None)
+    @property
+    def streams(self) -> list[RequestStream]:
+        return [choice.stream for choice in self.choices]
 
-    def outcome(self, text: str, reason: str, calls: list[ToolCall] | None = None) -> Outcome:
-        seq = self.stream.seq
-        return Outcome(
-            text, reason, self.stop_sequence(), seq.prompt_len, seq.num_generated, calls or []
-        )
+    def abort(self, serving: Serving) -> None:
+        """End every choice still running (client gone, or another choice failed)."""
+        for stream in self.streams:
+            if stream.view.finish_reason is None:
+                serving.abort(stream.request_id)
+
+    def usage(self) -> tuple[int, int]:
+        """(prompt tokens, generated tokens): each prompt once, every choice's tokens."""
+        prompt = sum(stream.view.prompt_len for stream in self.streams[:: self.n])
+        return prompt, sum(stream.view.num_generated for stream in self.streams)
 
 
 class ModelFailed(Exception):
-    """The request ended in error: the model call serving it failed (or a failure was injected
-    as one), or the grammar engine gave up on its grammar. ``error`` is the answer: 500
+    """A choice ended in error: the model call serving it failed (or a failure was injected as
+    one), or the grammar engine gave up on its grammar. ``error`` is the answer: 500
     ``model_error``, or 400 ``invalid_grammar`` naming the field that set the grammar."""
 
-    def __init__(self, run: Run) -> None:
-        self.error: APIError = generation_failed(run.stream.seq.error, run.grammar_param)
-        super().__init__(self.error.message)
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 def adapter(serving: Serving, model: str | None) -> str | None:
-    """The LoRA adapter ``model`` names (None: the served model, or none named), looked up as on
-    the OpenAI routes (adapters only with ``--enable-lora``); 404 ``model_not_found`` if
-    ``model`` names neither."""
+    """The LoRA adapter ``model`` names (None: the served model, or none named); 404
+    ``model_not_found`` if ``model`` names neither (adapters only with ``--enable-lora``)."""
     try:
         return serving.adapter(model)
     except LookupError:
@@ -134,14 +189,18 @@ def adapter(serving: Serving, model: str | None) -> str | None:
 
 def start(request: Request, serving: Serving, internal: InternalRequest, key: str | None) -> Run:
     """Check the model name (the served model or a loaded LoRA adapter, which the request then
-    runs with) and submit ``internal`` once (through failure injection); the submit's refusals
-    propagate as they do on every route. ``key``: the API key's name."""
+    runs with) and the choices' room, submit ``internal`` (through failure injection) and its
+    other choices; the submit's refusals propagate as they do on every route. ``key``: the API
+    key's name."""
     lora = adapter(serving, internal.model)
     rank = data_parallel_rank(request, serving)
+    prompts = [internal.prompt, *internal.more_prompts]
+    check_room(serving, len(prompts), internal.n, rank)
     params = GenerationParams(
         prompt=internal.prompt, max_tokens=internal.max_tokens,
         stop_token_ids=internal.stop_token_ids, stop_strings=internal.stop_strings,
-        ignore_eos=internal.ignore_eos, priority=internal.priority, sampling=internal.sampling,
+        ignore_eos=internal.ignore_eos, request_id=internal.request_id,
+        priority=internal.priority, sampling=internal.sampling, bad_words=internal.bad_words,
         user=key if key is not None else internal.user, key_name=key,
         constraint=internal.constraint, constraint_param=internal.constraint_param, lora=lora,
     )  # fmt: skip
@@ -149,62 +208,177 @@ def start(request: Request, serving: Serving, internal: InternalRequest, key: st
         request, serving, params, streaming=internal.stream, id_prefix=internal.id_prefix,
         model=internal.model, rank=rank,
     )  # fmt: skip
+    streams = [stream, *_fan_out(serving, params, stream, prompts, internal.n, rank)]
+    top = internal.sampling.logprobs
+    min_tokens = internal.sampling.min_tokens
+    choices = [
+        Choice(i, each, StopStringMatcher(internal.stop_strings, min_tokens),
+               CallReader(internal.tools) if internal.tools and internal.stream else None,
+               logprobs=None if top is None else [])
+        for i, each in enumerate(streams)
+    ]  # fmt: skip
     grammar_param = internal.constraint_param if internal.constraint is not None else None
     model = internal.model or serving.settings.model_name
-    return Run(
-        stream.request_id, stream, internal.stop_strings, internal.tools, grammar_param, model
-    )
+    return Run(stream.request_id, choices, internal.tools, grammar_param, model, top, internal.n)
 
 
-async def texts(run: Run, serving: Serving) -> AsyncIterator[tuple[str, str | None]]:
-    """(text delta, finish reason or None) pairs; the last pair has the reason. The engine
-    ends a request at the step whose tokens complete a stop string; the text is cut right
-    before it. A failed model call raises ``ModelFailed``."""
+def check_room(serving: Serving, prompts: int, n: int, rank: int | None) -> None:
+    """400 when ``prompts * n`` engine requests exceed what their ranks can ever hold (slots +
+    waiting bound): a retry could never succeed, so it is not a 429."""
+    settings = serving.settings
+    ranks = 1 if rank is not None else settings.data_parallel_size
+    room = ranks * (settings.num_slots + settings.max_waiting)
+    if prompts * n > room:
+        raise InvalidField(f"{prompts} prompt(s) x n={n} = {prompts * n} sequences exceed what "
+                           f"this server can ever hold at once ({room}: slots + --max-waiting)",
+                           param="n", code="invalid_value")  # fmt: skip
+
+
+def _fan_out(
+    serving: Serving,
+    params: GenerationParams,
+    first: RequestStream,
+    prompts: list[list[int]],
+    n: int,
+    rank: int | None,
+) -> list[RequestStream]:
+    """Choices 1 .. len(prompts) * n - 1 of a request as requests of their own: choice ``k``
+    answers prompt ``k // n`` (OpenAI's numbering), id ``<id>~<k>``, seed ``seed + k % n`` when
+    seeded (each prompt's choices draw as that prompt alone would), on data-parallel rank
+    ``rank`` (None: the least loaded). Each prompt's choices after its first fork from that
+    first one in the scheduler (its prompt is prefilled once; ``_enqueue_choice``). If one is
+    refused, the others are aborted."""
+    if len(prompts) * n == 1 or first.view.finish_reason is not None:  # (an injected failure)
+        return []
+    seed = params.sampling.seed
+    choices = [first]
+    try:
+        for k in range(1, len(prompts) * n):
+            i = k % n
+            sampling = dataclasses.replace(params.sampling, seed=None if seed is None else seed + i)
+            sibling = dataclasses.replace(
+                params, prompt=prompts[k // n], request_id=f"{first.request_id}~{k}",
+                sampling=sampling,
+            )  # fmt: skip
+            source = choices[k - i] if i else None  # its prompt's first choice
+            choices.append(_enqueue_choice(serving, sibling, source, rank))
+    except BaseException:
+        for stream in choices:
+            serving.abort(stream.request_id)
+        raise
+    return choices[1:]
+
+
+def _enqueue_choice(
+    serving: Serving, params: GenerationParams, source: RequestStream | None, rank: int | None
+) -> RequestStream:
+    """Queue one choice on ``rank`` (None: the least loaded). A choice after its prompt's first
+    (``source``) forks from it, so it goes to the same rank, unless that rank is full and the
+    client named none: it then runs alone on another (a fork is only ever an optimisation)."""
+    if source is None:
+        return serving.enqueue(serving.prepare(params), rank)
+    if rank is None and len(serving.engines) > 1:
+        home = serving.rank_of(source.request_id)
+        if home is None or not serving.has_room(home):  # (None: its source has ended)
+            return serving.enqueue(serving.prepare(params), None)
+        rank = home
+    return serving.enqueue(serving.prepare(params, fork_of=source.fork_source()), rank)
+
+
+async def texts(run: Run, serving: Serving, choice: Choice) -> AsyncIterator[Piece]:
+    """``choice``'s pieces (each with text or tokens; the last one has the finish reason). The
+    engine ends a request at the step whose tokens complete a stop string; here the text is cut
+    right before it. With log probabilities, a piece's tokens are those whose text it shows (the
+    stop string's tokens are dropped). A failed model call raises ``ModelFailed``."""
     decoder = serving.tokenizer.stream_decoder()
-    keep_raw = bool(run.stops)
-    async for delta in run.stream:
-        if delta.logprobs is not None:
-            run.tokens += delta.tokens
-            run.logprobs += delta.logprobs
-        decoded = decoder.feed(delta.tokens)
-        if keep_raw:
-            run.raw.append(decoded)
-        text = run.matcher.feed(decoded)
-        run.emitted += len(text)
-        if run.matcher.hit:
-            yield text, FinishReason.STOP.value
+    matcher = choice.matcher
+    aligned = None if run.top is None else AlignedTokens(decoder)
+    async for delta in choice.stream:
+        if aligned is None:
+            text = matcher.feed_tokens(decoder, delta.tokens)
+            tokens, entries = delta.tokens, delta.logprobs
+        else:
+            text = aligned.take(matcher, delta.tokens, delta.logprobs)
+            tokens, entries = aligned.release()
+        if matcher.hit:
+            yield _seen(choice, Piece(text, FinishReason.STOP.value, tokens, entries, choice.index))
             return
         if delta.finish_reason is FinishReason.ERROR:
-            raise ModelFailed(run)
+            raise ModelFailed(generation_failed(choice.stream.view.error, run.grammar_param))
         if delta.finish_reason is not None:
-            tail = decoder.flush()
-            run.raw.append(tail)
-            shown = run.matcher.feed(tail)
-            run.emitted += len(shown)
-            hit = run.matcher.hit
-            text += shown + run.matcher.flush()
-            yield text, FinishReason.STOP.value if hit else delta.finish_reason.value
+            rest = matcher.feed(decoder.flush()) + matcher.flush()
+            if aligned is not None:
+                aligned.shown(rest)
+                more, more_entries = aligned.release(everything=True)
+                tokens, entries = tokens + more, (entries or []) + more_entries
+            reason = delta.finish_reason.value
+            yield _seen(choice, Piece(text + rest, reason, tokens, entries, choice.index))
             return
-        if text:
-            yield text, None
+        if text or tokens:
+            yield _seen(choice, Piece(text, None, tokens, entries, choice.index))
 
 
-async def collect(run: Run, serving: Serving) -> Outcome:
-    """The whole output, its tool calls read (``ModelFailed`` if a model call failed)."""
-    parts: list[str] = []
-    reason = FinishReason.ABORT.value
-    async for text, end in texts(run, serving):
-        parts.append(text)
-        reason = end or reason
-    if run.plan is None:
-        return run.outcome("".join(parts), reason)
-    content, calls = read_calls("".join(parts), reason, run.plan)
-    return run.outcome(content, reason, calls)
+def _seen(choice: Choice, piece: Piece) -> Piece:
+    """Record ``piece`` in its choice's totals."""
+    choice.texts.append(piece.text)
+    if choice.logprobs is not None:
+        choice.tokens += piece.tokens
+        choice.logprobs += piece.logprobs or [None] * len(piece.tokens)
+    if piece.reason is not None:
+        choice.reason = piece.reason
+    return piece
 
 
-async def await_outcome(request: Request, run: Run, serving: Serving) -> Outcome:
+def all_texts(run: Run, serving: Serving) -> AsyncIterator[Piece]:
+    """Every choice's pieces, as they come (one choice: its pieces directly)."""
+    if len(run.choices) == 1:
+        return texts(run, serving, run.choices[0])
+    return _merged(run, serving)
+
+
+async def _merged(run: Run, serving: Serving) -> AsyncIterator[Piece]:
+    queue: asyncio.Queue[Piece | Exception | None] = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        try:
+            async for piece in texts(run, serving, choice):
+                queue.put_nowait(piece)
+        except Exception as err:
+            queue.put_nowait(err)
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.create_task(pump(choice)) for choice in run.choices]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def collect(run: Run, serving: Serving) -> list[Outcome]:
+    """Every choice's outcome, its tool calls read from the whole reply; ``ModelFailed`` (the
+    other choices aborted) if a model call failed."""
+    try:
+        async for _ in all_texts(run, serving):
+            pass
+    except ModelFailed:
+        run.abort(serving)
+        raise
+    return [choice.outcome(run.plan) for choice in run.choices]
+
+
+async def await_outcomes(request: Request, run: Run, serving: Serving) -> list[Outcome]:
     """``collect``, aborting the request if the client leaves first (``ClientGone``)."""
-    return await until_disconnected(request, collect(run, serving), lambda: serving.abort(run.id))
+    return await until_disconnected(request, collect(run, serving), lambda: run.abort(serving))
 
 
 class EventShaper(Protocol):
@@ -214,20 +388,13 @@ class EventShaper(Protocol):
         """Before any text (the protocol's start events)."""
         ...
 
-    def text(self, delta: str) -> Iterable[bytes]:
-        """One non-empty text delta."""
+    def pieces(self, piece: Piece, parts: list[Part]) -> Iterable[bytes]:
+        """One piece of a choice; ``parts``: its text and tool-call parts (without tools: its
+        text, if any)."""
         ...
 
-    def call_start(self, index: int, call: ToolCall) -> Iterable[bytes]:
-        """A tool call begins (its id and name); its arguments follow."""
-        ...
-
-    def call_arguments(self, index: int, delta: str) -> Iterable[bytes]:
-        """A piece of a tool call's arguments (JSON text)."""
-        ...
-
-    def closing(self, outcome: Outcome) -> Iterable[bytes]:
-        """After the last text: the protocol's end events."""
+    def ending(self, outcomes: list[Outcome]) -> Iterable[bytes]:
+        """After every choice's last piece: the protocol's end events."""
         ...
 
     def failure(self, error: APIError) -> Iterable[bytes]:
@@ -241,58 +408,76 @@ class EventShaper(Protocol):
         ...
 
 
+class PartShaper(ABC):
+    """``pieces``, ``ending`` and ``closed`` of an ``EventShaper`` for a one-choice protocol laid
+    out part by part: a subclass gives ``opening`` and ``failure``, then ``text`` (one non-empty
+    delta), ``call_start`` (a call's id and name; its arguments follow), ``call_arguments`` (a
+    piece of its JSON arguments) and ``closing`` (the end events, after the last text)."""
+
+    @abstractmethod
+    def text(self, delta: str) -> Iterable[bytes]: ...
+    @abstractmethod
+    def call_start(self, index: int, call: ToolCall) -> Iterable[bytes]: ...
+    @abstractmethod
+    def call_arguments(self, index: int, delta: str) -> Iterable[bytes]: ...
+    @abstractmethod
+    def closing(self, outcome: Outcome) -> Iterable[bytes]: ...
+
+    def closed(self) -> None:
+        return None
+
+    def pieces(self, piece: Piece, parts: list[Part]) -> Iterable[bytes]:
+        for part in parts:
+            if isinstance(part, TextPiece):
+                yield from self.text(part.text)
+            elif isinstance(part, CallStart):
+                yield from self.call_start(part.index, part.call)
+            else:
+                yield from self.call_arguments(part.index, part.text)
+
+    def ending(self, outcomes: list[Outcome]) -> Iterable[bytes]:
+        return self.closing(outcomes[0])
+
+
+def parts(choice: Choice, piece: Piece) -> list[Part]:
+    """``piece``'s text and tool-call parts (read by the choice's ``CallReader``)."""
+    if choice.reader is not None:
+        return choice.reader.feed(piece.text, piece.reason)
+    return [TextPiece(piece.text)] if piece.text else []
+
+
 async def events(run: Run, serving: Serving, shaper: EventShaper) -> AsyncIterator[bytes]:
     """The SSE bytes of ``run`` laid out by ``shaper`` (tool calls read as they stream)."""
     try:
-        async for event in _events(run, serving, shaper):
+        for event in shaper.opening():
+            yield event
+        try:
+            async for piece in all_texts(run, serving):
+                for event in shaper.pieces(piece, parts(run.choices[piece.index], piece)):
+                    yield event
+        except ModelFailed as err:
+            run.abort(serving)
+            for event in shaper.failure(err.error):
+                yield event
+            return
+        for event in shaper.ending([choice.outcome(run.plan) for choice in run.choices]):
             yield event
     finally:
         shaper.closed()
 
 
-async def _events(run: Run, serving: Serving, shaper: EventShaper) -> AsyncIterator[bytes]:
-    for event in shaper.opening():
-        yield event
-    reader = CallReader(run.plan) if run.plan is not None else None
-    parts: list[str] = []
-    reason = FinishReason.ABORT.value
-    try:
-        async for text, end in texts(run, serving):
-            reason = end or reason
-            if reader is None:
-                parts.append(text)
-                pieces: list[Piece] = [TextPiece(text)] if text else []
-            else:
-                pieces = reader.feed(text, end)
-            for piece in pieces:
-                for event in _shaped(shaper, piece):
-                    yield event
-    except ModelFailed as err:
-        for event in shaper.failure(err.error):
-            yield event
-        return
-    if reader is None:
-        outcome = run.outcome("".join(parts), reason)
-    else:
-        outcome = run.outcome(reader.content, reason, reader.calls)
-    for event in shaper.closing(outcome):
-        yield event
-
-
-def _shaped(shaper: EventShaper, piece: Piece) -> Iterable[bytes]:
-    if isinstance(piece, TextPiece):
-        return shaper.text(piece.text)
-    if isinstance(piece, CallStart):
-        return shaper.call_start(piece.index, piece.call)
-    return shaper.call_arguments(piece.index, piece.text)
-
-
 def stream_response(run: Run, serving: Serving, shaper: EventShaper) -> Response:
-    """``run`` streamed as SSE: the watchdog cuts off a stalled reader and the request is
+    """``run`` streamed as SSE: the watchdog cuts off a stalled reader and every choice is
     aborted however the response ends early."""
-    return sse_response(events(run, serving, shaper), run.stream, serving)
+    return sse_response(events(run, serving, shaper), run.streams, serving)
+
+
+PRIORITY_IGNORED = "x-slotserve-priority-ignored"
 
 
 def flag_priority(response: Response, serving: Serving, internal: InternalRequest) -> Response:
-    """The ``x-slotserve-priority-ignored`` header, as on every generation route."""
-    return flag_ignored_priority(response, serving, internal.priority)
+    """Mark a response whose request asked for a priority the policy ignores (any policy but
+    ``priority``, header ``x-slotserve-priority-ignored``), so it is not silently dropped."""
+    if serving.priority_ignored(internal.priority):
+        response.headers[PRIORITY_IGNORED] = "1"
+    return response

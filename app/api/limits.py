@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.errors import error_json
+from app.api.errors import TooLarge, response_for
 
 
 class BodySizeLimit:
@@ -28,13 +28,13 @@ class BodySizeLimit:
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None:
             if declared.isdigit() and int(declared) > limit:
-                await self._reject(send, limit)
+                await self._reject(scope, receive, send, limit)
                 return
             await self.app(scope, receive, send)
             return
         buffered = await self._read_limited(receive, limit)
         if buffered is None:
-            await self._reject(send, limit)
+            await self._reject(scope, receive, send, limit)
             return
 
         async def replay() -> Message:
@@ -57,9 +57,6 @@ class BodySizeLimit:
             if not message.get("more_body", False):
                 return messages
 
-    async def _reject(self, send: Send, limit: int) -> None:
-        body = error_json(413, f"request body exceeds {limit} bytes",
-                          "invalid_request_error", "request_too_large")  # fmt: skip
-        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-        await send({"type": "http.response.start", "status": 413, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+    async def _reject(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
+        error = TooLarge(f"request body exceeds {limit} bytes", code="request_too_large")
+        await response_for(error)(scope, receive, send)

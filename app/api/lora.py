@@ -15,7 +15,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from app.api.deps import ServingDep
-from app.api.errors import APIError
+from app.api.errors import APIError, InvalidField, NotFound, documented
 from app.api.schemas import Text
 from app.lora import LoRAError
 
@@ -41,13 +41,16 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 def _refused(err: LoRAError, param: str) -> APIError:
     if err.kind == "not_found":
-        return APIError(404, str(err), "not_found_error", param=param, code=CODES[err.kind])
-    return APIError(400, str(err), param=param, code=CODES[err.kind])
+        return NotFound(str(err), param=param, code=CODES[err.kind])
+    return InvalidField(str(err), param=param, code=CODES[err.kind])
 
 
-@router.post("/load_lora_adapter", response_class=PlainTextResponse,
-             responses={400: {"description": "a bad or duplicate name, past --max-cpu-loras, "
-                                             "or no adapter loads from the path"}})  # fmt: skip
+LOAD_ERRORS = documented(
+    (InvalidField, "a bad or duplicate name, past --max-cpu-loras, or no adapter loads from it")
+)
+
+
+@router.post("/load_lora_adapter", response_class=PlainTextResponse, responses=LOAD_ERRORS)
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, serving: ServingDep) -> str:
     try:
         serving.loras.load(body.lora_name, body.lora_path)
@@ -57,7 +60,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, serving: ServingDep) -
 
 
 @router.post("/unload_lora_adapter", response_class=PlainTextResponse,
-             responses={404: {"description": "no adapter of that name"}})  # fmt: skip
+             responses=documented((NotFound, "no adapter of that name")))  # fmt: skip
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, serving: ServingDep) -> str:
     try:
         serving.loras.unload(body.lora_name)

@@ -28,8 +28,8 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from app.api.deps import ServingDep
+from app.api.errors import ERROR_RESPONSES
 from app.api.generation import adapter
-from app.api.native import ERROR_RESPONSES
 from app.api.openai_compat import DEFAULT_COMPLETION_TOKENS, completion_prompts
 from app.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIParams
 from app.api.tokenize import off_the_loop

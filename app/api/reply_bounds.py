@@ -32,7 +32,7 @@ from typing import Any
 
 from fastapi.responses import Response
 
-from app.api.errors import APIError
+from app.api.errors import InvalidField
 from app.config import Settings
 from app.serving import Serving
 
@@ -88,17 +88,17 @@ def check(
     if ask.prompt_top is not None:
         tokens = ask.n * sum(prompts)
         if tokens > max_prompt:
-            raise APIError(400, f"prompt log probabilities for n ({ask.n}) x {sum(prompts)} "
-                           f"prompt tokens = {tokens} exceed this server's "
-                           f"--max-prompt-logprob-tokens ({max_prompt}); lower n, or send "
-                           "fewer or shorter prompts per request", param="prompt_logprobs",
-                           code="too_many_logprobs")  # fmt: skip
+            raise InvalidField(f"prompt log probabilities for n ({ask.n}) x {sum(prompts)} "
+                               f"prompt tokens = {tokens} exceed this server's "
+                               f"--max-prompt-logprob-tokens ({max_prompt}); lower n, or send "
+                               "fewer or shorter prompts per request", param="prompt_logprobs",
+                               code="too_many_logprobs")  # fmt: skip
     entries = sum(ask.entries(p, serving.output_tokens(p, max_tokens)) for p in prompts)
     if entries > max_entries:
-        raise APIError(400, f"{', '.join(ask.fields)} ask for up to {entries} log-probability "
-                       "entries (n x tokens x (1 + alternatives)), past this server's "
-                       f"--max-logprob-entries ({max_entries}); lower one of them",
-                       param=ask.fields[0], code="too_many_logprobs")  # fmt: skip
+        raise InvalidField(f"{', '.join(ask.fields)} ask for up to {entries} log-probability "
+                           "entries (n x tokens x (1 + alternatives)), past this server's "
+                           f"--max-logprob-entries ({max_entries}); lower one of them",
+                           param=ask.fields[0], code="too_many_logprobs")  # fmt: skip
 
 
 def json_reply(content: Any, serving: Serving, fields: str) -> Response:
@@ -109,7 +109,7 @@ def json_reply(content: Any, serving: Serving, fields: str) -> Response:
     data = body.encode("utf-8")
     bound = int(serving.settings.max_response_bytes)
     if len(data) > bound:
-        raise APIError(400, f"the reply ({len(data)} bytes) exceeds this server's "
-                       f"--max-response-bytes ({bound}); lower {fields}, or stream it",
-                       code="response_too_large")  # fmt: skip
+        raise InvalidField(f"the reply ({len(data)} bytes) exceeds this server's "
+                           f"--max-response-bytes ({bound}); lower {fields}, or stream it",
+                           code="response_too_large")  # fmt: skip
     return Response(data, media_type="application/json")

@@ -19,8 +19,63 @@ from pydantic import (
 )
 
 from app.api.structured import ResponseFormat, StructuredOutputs
-from app.api.tools import MessageToolCall, ToolChoiceField, ToolDef
 from app.models.protocol import SamplingParams
+
+# --- tools (app/api/tools.py reads them) ----------------------------------------------------------
+
+# a tool's name, wherever a client sends one that is rendered into the prompt (a tool, an
+# earlier call), on every protocol: OpenAI's pattern, so no name can close a tool-call block
+FunctionName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: FunctionName
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: FunctionName  # rendered into the prompt, as a tool's name is
+    arguments: StrictStr
+
+
+class MessageToolCall(BaseModel):
+    """An earlier assistant message's call, as the client sends it back."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+ToolChoiceField = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+# --- bodies ---------------------------------------------------------------------------------------
 
 
 def _unicode_text(text: str) -> str:

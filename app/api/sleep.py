@@ -14,23 +14,23 @@ from fastapi import APIRouter, Query
 from fastapi.responses import Response
 
 from app.api.deps import ServingDep
-from app.api.errors import APIError
+from app.api.errors import InvalidField, documented
 
 router = APIRouter(tags=["sleep mode"])
 
 
-@router.post("/sleep", responses={400: {"description": "a level other than 1 or 2"}})
+@router.post("/sleep", responses=documented((InvalidField, "a level other than 1 or 2")))
 async def sleep(serving: ServingDep, level: Annotated[str, Query()] = "1") -> Response:
     """Put the server to sleep: requests in flight end with ``abort``, the prefix cache is
     emptied (KV events: ``AllBlocksCleared``), generation is refused until ``/wake_up``."""
     if level not in ("1", "2"):
-        raise APIError(400, f"level must be 1 or 2, got {level!r}", param="level",
-                       code="invalid_sleep_level")  # fmt: skip
+        raise InvalidField(f"level must be 1 or 2, got {level!r}", param="level",
+                           code="invalid_sleep_level")  # fmt: skip
     await serving.sleep(int(level))
-    return Response(status_code=200)
+    return Response()
 
 
-@router.post("/wake_up", responses={400: {"description": "an unknown tag"}})
+@router.post("/wake_up", responses=documented((InvalidField, "an unknown tag")))
 async def wake_up(
     serving: ServingDep, tags: Annotated[list[str] | None, Query()] = None
 ) -> Response:
@@ -38,8 +38,8 @@ async def wake_up(
     try:
         serving.wake_up(tags or None)
     except ValueError as err:
-        raise APIError(400, str(err), param="tags", code="invalid_wake_up_tag") from None
-    return Response(status_code=200)
+        raise InvalidField(str(err), param="tags", code="invalid_wake_up_tag") from None
+    return Response()
 
 
 @router.get("/is_sleeping")

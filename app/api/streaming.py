@@ -178,7 +178,7 @@ def sse_response(
 
     def abort_if_unfinished() -> None:
         for each in streams:
-            if each.seq.finish_reason is None:
+            if each.view.finish_reason is None:
                 serving.abort(each.request_id)
 
     return EventStream(

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
-from app.api.errors import APIError
+from app.api.errors import InvalidField
 from app.structured.constraint import Constraint
 
 
@@ -68,8 +68,9 @@ def requested_constraint(
     from_format = _from_response_format(response_format)
     from_vllm = _from_structured_outputs(structured)
     if from_format is not None and from_vllm is not None:
-        raise APIError(400, "set either response_format or structured_outputs, not both",
-                       param="structured_outputs", code="invalid_structured_outputs")  # fmt: skip
+        raise InvalidField("set either response_format or structured_outputs, not both",
+                           param="structured_outputs", code="invalid_structured_outputs"
+                           )  # fmt: skip
     if from_vllm is not None:
         return from_vllm[0], f"structured_outputs.{from_vllm[1]}"
     return from_format, "response_format"
@@ -81,8 +82,8 @@ def _from_response_format(fmt: ResponseFormat | None) -> Constraint | None:
     if fmt.type == "json_object":
         return Constraint.json_object()
     if fmt.json_schema is None:
-        raise APIError(400, "response_format.json_schema is required with type json_schema",
-                       param="response_format.json_schema", code="missing")  # fmt: skip
+        raise InvalidField("response_format.json_schema is required with type json_schema",
+                           param="response_format.json_schema", code="missing")  # fmt: skip
     schema = fmt.json_schema.schema_
     return Constraint.json_schema(schema if schema is not None else {})
 
@@ -93,9 +94,9 @@ def _from_structured_outputs(spec: StructuredOutputs | None) -> tuple[Constraint
         return None
     for knob in UNHONOURED:
         if getattr(spec, knob) not in (None, False):
-            raise APIError(400, f"structured_outputs.{knob} is not supported by this server; "
-                           "leave it unset", param=f"structured_outputs.{knob}",
-                           code="unsupported_parameter")  # fmt: skip
+            raise InvalidField(f"structured_outputs.{knob} is not supported by this server; "
+                               "leave it unset", param=f"structured_outputs.{knob}",
+                               code="unsupported_parameter")  # fmt: skip
     chosen: list[tuple[Constraint, str]] = []
     if spec.json_ is not None:
         chosen.append((Constraint.json_schema(_schema(spec.json_)), "json"))
@@ -108,9 +109,9 @@ def _from_structured_outputs(spec: StructuredOutputs | None) -> tuple[Constraint
     if spec.json_object:
         chosen.append((Constraint.json_object(), "json_object"))
     if len(chosen) != 1:
-        raise APIError(400, "structured_outputs must set exactly one of json, regex, choice, "
-                       f"grammar, json_object ({len(chosen)} set)", param="structured_outputs",
-                       code="invalid_structured_outputs")  # fmt: skip
+        raise InvalidField("structured_outputs must set exactly one of json, regex, choice, "
+                           f"grammar, json_object ({len(chosen)} set)", param="structured_outputs",
+                           code="invalid_structured_outputs")  # fmt: skip
     return chosen[0]
 
 
@@ -121,9 +122,9 @@ def _schema(value: dict[str, Any] | str) -> dict[str, Any]:
         schema = json.loads(value)
     except ValueError as err:
         message = f"structured_outputs.json is not valid JSON: {err}"
-        raise APIError(400, message, param="structured_outputs.json",
-                       code="invalid_json_schema") from None  # fmt: skip
+        raise InvalidField(message, param="structured_outputs.json",
+                           code="invalid_json_schema") from None  # fmt: skip
     if not isinstance(schema, dict):
-        raise APIError(400, "structured_outputs.json must be a JSON object (a schema)",
-                       param="structured_outputs.json", code="invalid_json_schema")  # fmt: skip
+        raise InvalidField("structured_outputs.json must be a JSON object (a schema)",
+                           param="structured_outputs.json", code="invalid_json_schema")  # fmt: skip
     return schema

@@ -29,8 +29,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from app.api.deps import ServingDep
-from app.api.errors import APIError, model_not_found
-from app.api.native import ERROR_RESPONSES
+from app.api.errors import ERROR_RESPONSES, InvalidField, model_not_found
 from app.api.schemas import ChatMessage, Text, TokenId
 from app.serving import Serving
 
@@ -75,8 +74,8 @@ async def tokenize(body: TokenizeRequest, serving: ServingDep) -> Response:
     """The token ids of a prompt or a chat, as the generation routes would feed them."""
     _check_model(serving, body.model)
     if (body.prompt is None) == (body.messages is None):
-        raise APIError(400, "give either prompt or messages", param="prompt",
-                       code="invalid_value")  # fmt: skip
+        raise InvalidField("give either prompt or messages", param="prompt",
+                           code="invalid_value")  # fmt: skip
     if body.messages is not None:
         _only(body.add_special_tokens, False, "add_special_tokens")
         _only(body.add_generation_prompt, True, "add_generation_prompt")
@@ -104,13 +103,13 @@ async def detokenize(body: DetokenizeRequest, serving: ServingDep) -> Response:
     vocab = tokenizer.vocab_size
     bad = next((t for t in body.tokens if t >= vocab), None)
     if bad is not None:
-        raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})",
-                       param="tokens", code="invalid_token_id")  # fmt: skip
+        raise InvalidField(f"token id {bad} is outside the vocabulary [0, {vocab})",
+                           param="tokens", code="invalid_token_id")  # fmt: skip
     return await off_the_loop(lambda: {"prompt": tokenizer.decode(body.tokens)})
 
 
 def _only(value: bool | None, default: bool, param: str) -> None:
     """This server applies each route's default only (the tokenizer protocol has no switch)."""
     if value is not None and value != default:
-        raise APIError(400, f"{param} can only be {str(default).lower()} here", param=param,
-                       code="unsupported_parameter")  # fmt: skip
+        raise InvalidField(f"{param} can only be {str(default).lower()} here", param=param,
+                           code="unsupported_parameter")  # fmt: skip

@@ -1,12 +1,15 @@
-"""Tool calls read from a reply as it streams, protocol-neutral (the protocol adapters lay the
-pieces out as their own events).
+"""Tool calls read from a reply, protocol-neutral, the same way on every route (the protocols
+lay the parts out as their own events).
 
-``CallReader.feed(text, reason)`` turns each text delta into ``TextPiece``, ``CallStart`` and
-``CallArguments`` pieces: a named function's arguments stream as they are generated (the reply
-is the arguments); under ``required`` the reply (a JSON list of calls) is held until it ends;
-under ``auto`` the content before a ``<tool_call>`` block streams (a possible start of one is
-held back), the rest is read at the end by ``app.structured.tools.parse_calls``. After the last
-delta, ``content`` and ``calls`` are the reply's, consistent with the pieces sent.
+``read_calls`` reads a whole reply: ``app.structured.tools.parse_calls`` with the tools offered
+(under ``auto`` a call to a tool not offered, or several calls with ``parallel_tool_calls:
+false``, stay content). ``CallReader.feed(text, reason)`` turns each streamed text delta
+into ``TextPiece``, ``CallStart`` and ``CallArguments`` parts: a named function's arguments
+stream as they are generated (the reply is the arguments); under ``required`` the reply (a JSON
+list of calls) is held until it ends; under ``auto`` the content before a ``<tool_call>`` block
+streams (a possible start of one is held back), the rest is read at the end by
+``read_calls``. After the last delta, ``content`` and ``calls`` are the reply's, consistent
+with the parts sent.
 """
 
 from __future__ import annotations
@@ -34,19 +37,19 @@ class CallArguments:
     text: str
 
 
-Piece = TextPiece | CallStart | CallArguments
+Part = TextPiece | CallStart | CallArguments
 
 
 def read_calls(text: str, reason: str, plan: ToolPlan) -> tuple[str, list[ToolCall]]:
     """(content, calls) of a whole reply; a reply that did not end on its own has no calls."""
     if reason != "stop":
         return text, []
-    content, calls = parse_calls(text, plan.choice)
+    content, calls = parse_calls(text, plan.choice, plan.offered, plan.parallel)
     return content or "", calls
 
 
 class CallReader:
-    """Splits a streamed reply into text and tool-call pieces (see the module)."""
+    """Splits a streamed reply into text and tool-call parts (see the module)."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
@@ -61,20 +64,20 @@ class CallReader:
     def content(self) -> str:
         return "".join(self.sent)
 
-    def feed(self, text: str, reason: str | None) -> list[Piece]:
+    def feed(self, text: str, reason: str | None) -> list[Part]:
         mode = self.plan.choice.mode
         if mode is ToolMode.NAMED:
             return self._named(text, reason)
         self.held += text
-        out: list[Piece] = []
+        out: list[Part] = []
         if mode is ToolMode.AUTO and not self.calling:
             out += self._content_before_call()
         if reason is not None:
             out += self._end(reason)
         return out
 
-    def _named(self, text: str, reason: str | None) -> list[Piece]:
-        out: list[Piece] = []
+    def _named(self, text: str, reason: str | None) -> list[Part]:
+        out: list[Part] = []
         if self.named is None:
             self.named = ToolCall(self.plan.choice.name or "", "")
             out.append(CallStart(0, self.named))
@@ -86,7 +89,7 @@ class CallReader:
             self.calls = [ToolCall(named.name, "".join(self.arguments), named.id)]
         return out
 
-    def _content_before_call(self) -> list[Piece]:
+    def _content_before_call(self) -> list[Part]:
         start = self.held.find(OPEN)
         if start >= 0:
             self.calling = True
@@ -95,7 +98,7 @@ class CallReader:
         sendable, self.held = self.held[:start], self.held[start:]
         return self._text(sendable)
 
-    def _end(self, reason: str) -> list[Piece]:
+    def _end(self, reason: str) -> list[Part]:
         text, self.held = self.held, ""
         content, self.calls = read_calls(text, reason, self.plan)
         out = self._text(content)
@@ -103,7 +106,7 @@ class CallReader:
             out += [CallStart(index, call), CallArguments(index, call.arguments)]
         return out
 
-    def _text(self, text: str) -> list[Piece]:
+    def _text(self, text: str) -> list[Part]:
         if not text:
             return []
         self.sent.append(text)

@@ -24,6 +24,7 @@ class StopStringMatcher:
         self._pending = ""
         self._unsearched = max(min_tokens - 1, 0)  # tokens whose text is never searched
         self.hit = False
+        self.matched: str | None = None  # the stop string hit (the first listed, at the cut)
 
     def feed_tokens(self, decoder: StreamDecoder, tokens: list[int]) -> str:
         """Decode ``tokens`` with ``decoder`` and ``feed`` the text (see ``min_tokens``)."""
@@ -43,6 +44,7 @@ class StopStringMatcher:
         cut = min((i for s in self.stops if (i := buffer.find(s)) >= 0), default=-1)
         if cut >= 0:
             self.hit = True
+            self.matched = next(s for s in self.stops if buffer.startswith(s, cut))
             self._pending = ""
             return buffer[:cut]
         safe = len(buffer) - self._hold

@@ -9,7 +9,9 @@ larger deltas, and the stream holds nothing beyond the sequence itself.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
+from typing import Protocol
 
 from app.engine.types import FinishReason, Sequence
 from app.models.protocol import Logprobs
@@ -25,8 +27,31 @@ class Delta:
     logprobs: list[Logprobs | None] | None = None  # one per token, when the request asked
 
 
+class RequestView(Protocol):
+    """What the API may read of one request, read-only (the type checker refuses a write; the
+    ``Sequence`` behind it stays the engine's): its id, prompt, output, how it ended."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def prompt(self) -> list[int]: ...  # a copy
+    @property
+    def prompt_len(self) -> int: ...
+    @property
+    def num_generated(self) -> int: ...
+    @property
+    def generated(self) -> list[int]: ...  # a copy
+    @property
+    def finish_reason(self) -> FinishReason | None: ...  # None while it runs
+    @property
+    def error(self) -> BaseException | None: ...  # what ended it in error, if anything did
+    @property
+    def prompt_logprobs(self) -> Sequence_[Logprobs | None] | None: ...  # None: not asked
+
+
 class RequestStream:
-    """Async iterator of ``Delta``s for one request, ending after the delta with a finish reason."""
+    """Async iterator of ``Delta``s for one request, ending after the delta with a finish reason.
+    ``view``: the request, read-only (all the API reads of it)."""
 
     __slots__ = ("_done", "_ended", "_event", "_read", "seq")
 
@@ -40,6 +65,15 @@ class RequestStream:
     @property
     def request_id(self) -> str:
         return self.seq.request_id
+
+    @property
+    def view(self) -> RequestView:
+        return self.seq
+
+    def fork_source(self) -> Sequence:
+        """The request as ``Serving.prepare(fork_of=...)`` takes it (another choice of the same
+        prompt may start from its prompt cache); the API hands it on without reading it."""
+        return self.seq
 
     def notify(self) -> None:
         """Engine side: new tokens or a finish are available."""

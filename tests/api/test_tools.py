@@ -14,7 +14,8 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 from server_process import ServerProcess, running_server
 
-from app.api.tools import ToolDeltas, ToolPlan
+from app.api.tool_reader import CallArguments, CallReader, CallStart, TextPiece
+from app.api.tools import ToolPlan
 from app.structured.tools import ToolChoice, ToolMode, ToolSpec, parse_calls
 
 WEATHER: ChatCompletionToolParam = {
@@ -66,19 +67,16 @@ def test_auto_reads_calls_in_the_default_format_and_keeps_the_rest_as_content() 
 
 
 def test_auto_streams_content_and_holds_back_a_possible_call_start() -> None:
-    deltas = ToolDeltas(AUTO)
+    reader = CallReader(AUTO)
     pieces = ["Hi <tool", "_c", 'all>{"name": "f", "argu', 'ments": {}}</tool_call>']
-    out = [d for piece in pieces for d in deltas.feed(piece, None)] + deltas.feed("", "stop")
-    assert out[0] == ({"content": "Hi "}, None)
-    calls = [d["tool_calls"][0] for d, _ in out if "tool_calls" in d]
-    assert calls[0]["function"]["name"] == "f" and calls[0]["id"].startswith("call_")
-    assert "".join(c["function"]["arguments"] for c in calls) == "{}"
-    assert out[-1] == ({}, "tool_calls")
-    plain = ToolDeltas(AUTO)
-    assert plain.feed("<to", None) == [] and plain.feed("day", "stop")[0] == (
-        {"content": "<today"},
-        None,
-    )
+    out = [p for piece in pieces for p in reader.feed(piece, None)] + reader.feed("", "stop")
+    assert out[0] == TextPiece("Hi ")
+    starts = [p for p in out if isinstance(p, CallStart)]
+    assert starts[0].call.name == "f" and starts[0].call.id.startswith("call_")
+    assert "".join(p.text for p in out if isinstance(p, CallArguments)) == "{}"
+    assert reader.calls == [starts[0].call] and reader.content == "Hi "
+    plain = CallReader(AUTO)
+    assert plain.feed("<to", None) == [] and plain.feed("day", "stop") == [TextPiece("<today")]
 
 
 @pytest.fixture(scope="module")

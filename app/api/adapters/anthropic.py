@@ -32,13 +32,12 @@ from app.api.adapters.anthropic_schemas import (
     ToolResultBlock,
 )
 from app.api.deps import KeyNameDep, ServingDep
-from app.api.errors import APIError
-from app.api.native import ERROR_RESPONSES
-from app.api.schemas import ChatMessage
+from app.api.errors import ERROR_RESPONSES, APIError, InvalidField, anthropic_type
+from app.api.schemas import CalledFunction, ChatMessage, MessageToolCall
 from app.api.streaming import sse_event
-from app.api.tools import CalledFunction, MessageToolCall, ToolPlan
+from app.api.tools import ToolPlan
 from app.serving import Serving
-from app.structured.tools import ToolCall, ToolChoice, ToolMode, ToolSpec
+from app.structured.tools import ToolCall, ToolSpec
 
 router = APIRouter(prefix="/v1", tags=["anthropic"])
 
@@ -66,7 +65,7 @@ async def messages(
         response = generation.stream_response(run, serving, MessageEvents(run, model))
     else:
         try:
-            outcome = await generation.await_outcome(request, run, serving)
+            outcome = (await generation.await_outcomes(request, run, serving))[0]
         except generation.ModelFailed as err:
             raise err.error from err
         response = JSONResponse(message_object(run.id, model, outcome))
@@ -85,39 +84,23 @@ def tool_plan(body: CountTokensRequest, serving: Serving, decide: bool) -> ToolP
     """The tools offered and the choice (None: no tools); 400 naming the field for a server
     tool, a tool without ``input_schema``, or a choice that names no offered tool.
     ``decide``: let a mock decide now whether it calls a tool under ``auto``."""
-    specs = [_spec(tool, index) for index, tool in enumerate(body.tools)]
     field = body.tool_choice
-    mode = ToolMode.AUTO if specs else ToolMode.NONE
-    if field is not None:
-        mode = CHOICES[field.type]
-    if mode is not ToolMode.NONE and not specs:
-        raise APIError(400, f"tool_choice {field.type if field else ''!r} needs tools",
-                       param="tool_choice", code="invalid_tool_choice")  # fmt: skip
-    name = field.name if field is not None and mode is ToolMode.NAMED else None
-    if mode is ToolMode.NAMED and name not in {spec.name for spec in specs}:
-        raise APIError(400, f"tool_choice names {name!r}, which is not in tools",
-                       param="tool_choice.name", code="invalid_tool_choice")  # fmt: skip
-    if mode is ToolMode.NONE:
-        return None
-    if mode is ToolMode.AUTO and decide and serving.mock_calls_tool():
-        mode = ToolMode.REQUIRED
+    name = field.name if field is not None and field.type == "tool" else None
     parallel = not (field is not None and field.disable_parallel_tool_use)
-    return ToolPlan(specs, ToolChoice(mode, name), parallel)
-
-
-CHOICES = {"auto": ToolMode.AUTO, "any": ToolMode.REQUIRED, "tool": ToolMode.NAMED,
-           "none": ToolMode.NONE}  # fmt: skip
+    return tools.plan_tools([_spec(tool, index) for index, tool in enumerate(body.tools)],
+                            field.type if field else None, name, parallel, serving,
+                            name_param="tool_choice.name", decide=decide)  # fmt: skip
 
 
 def _spec(tool: ToolDef, index: int) -> ToolSpec:
     if tool.type not in (None, "custom"):
-        raise APIError(400, f"tool type {tool.type!r} is not supported: this server runs no "
-                       "server tools (web search, code execution, bash, ...); give client tools "
-                       "with input_schema", param=f"tools.{index}.type",
-                       code="unsupported_tool")  # fmt: skip
+        raise InvalidField(f"tool type {tool.type!r} is not supported: this server runs no "
+                           "server tools (web search, code execution, bash, ...); give client "
+                           "tools with input_schema", param=f"tools.{index}.type",
+                           code="unsupported_tool")  # fmt: skip
     if tool.input_schema is None:
-        raise APIError(400, "a tool needs input_schema", param=f"tools.{index}.input_schema",
-                       code="missing")  # fmt: skip
+        raise InvalidField("a tool needs input_schema", param=f"tools.{index}.input_schema",
+                           code="missing")  # fmt: skip
     return ToolSpec(tool.name, tool.description or "", tool.input_schema)
 
 
@@ -150,8 +133,8 @@ def chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
                 results += 1
             else:
                 if message.role != "assistant":
-                    raise APIError(400, "a tool_use block belongs in an assistant message",
-                                   param=f"messages.{m}.content.{b}")  # fmt: skip
+                    raise InvalidField("a tool_use block belongs in an assistant message",
+                                       param=f"messages.{m}.content.{b}")  # fmt: skip
                 calls.add(block.id)
                 function = CalledFunction(name=block.name, arguments=json.dumps(block.input))
                 called.append(MessageToolCall(id=block.id, function=function))
@@ -162,9 +145,9 @@ def chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
 
 
 def _unmatched(block: ToolResultBlock, param: str) -> APIError:
-    return APIError(400, f"tool_result block's tool_use_id {block.tool_use_id!r} answers no "
-                    "tool_use block of an earlier assistant message", param=param,
-                    code="unmatched_tool_result")  # fmt: skip
+    return InvalidField(f"tool_result block's tool_use_id {block.tool_use_id!r} answers no "
+                        "tool_use block of an earlier assistant message", param=param,
+                        code="unmatched_tool_result")  # fmt: skip
 
 
 def stop_reason(outcome: generation.Outcome) -> str:
@@ -203,7 +186,7 @@ def _event(name: str, data: dict[str, Any]) -> bytes:
     return sse_event(name, {"type": name} | data)
 
 
-class MessageEvents:
+class MessageEvents(generation.PartShaper):
     """Anthropic's streamed events for one message (an ``EventShaper``). Without tools the text
     block opens at once (index 0); with tools, each block (text, then one per tool call) opens
     when its first piece comes."""
@@ -215,11 +198,11 @@ class MessageEvents:
         self.pinged = False
 
     def opening(self) -> Iterable[bytes]:
-        seq = self.run.stream.seq
+        view = self.run.stream.view
         message: dict[str, Any] = {
             "id": self.run.id, "type": "message", "role": "assistant", "model": self.model,
             "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": usage(seq.prompt_len, 0),
+            "usage": usage(view.prompt_len, 0),
         }  # fmt: skip
         yield _event("message_start", {"message": message})
         if self.run.plan is None:
@@ -259,8 +242,5 @@ class MessageEvents:
         yield _event("message_stop", {})
 
     def failure(self, error: APIError) -> Iterable[bytes]:
-        kind = "api_error" if error.status >= 500 else "invalid_request_error"
+        kind = anthropic_type(error.status)
         yield _event("error", {"error": {"type": kind, "message": error.message}})
-
-    def closed(self) -> None:
-        return None

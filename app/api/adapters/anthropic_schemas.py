@@ -8,8 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from app.api.schemas import NonEmptyText, Priority, Text, UserName
-from app.api.tools import FunctionName
+from app.api.schemas import FunctionName, NonEmptyText, Priority, Text, UserName
 from app.models.protocol import SamplingParams
 
 

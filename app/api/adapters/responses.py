@@ -37,15 +37,23 @@ from app.api.adapters.responses_schemas import (
 )
 from app.api.adapters.responses_store import ResponseStore, Stored
 from app.api.deps import KeyNameDep, ServingDep
-from app.api.errors import RETRY_AFTER, APIError
+from app.api.errors import (
+    ERROR_RESPONSES,
+    RETRY_AFTER,
+    APIError,
+    InvalidField,
+    NotFound,
+    Overloaded,
+    ServerFault,
+    documented,
+)
 from app.api.logprobs import TokenText, chat_content
-from app.api.native import ERROR_RESPONSES
-from app.api.schemas import ChatMessage
+from app.api.schemas import CalledFunction, ChatMessage, MessageToolCall
 from app.api.streaming import sse_event
-from app.api.tools import CalledFunction, MessageToolCall, ToolPlan
+from app.api.tools import ToolPlan
 from app.serving import Serving
 from app.structured.constraint import Constraint
-from app.structured.tools import ToolCall, ToolChoice, ToolMode, ToolSpec
+from app.structured.tools import ToolCall, ToolSpec
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 log = logging.getLogger("slotserve.api")
@@ -94,7 +102,7 @@ async def create(
         response = generation.stream_response(run, serving, ResponseEvents(shape, keep))
     else:
         try:
-            outcome = await generation.await_outcome(request, run, serving)
+            outcome = (await generation.await_outcomes(request, run, serving))[0]
         except generation.ModelFailed as err:
             raise err.error from err
         entry.response = shape.finished(outcome)
@@ -105,7 +113,7 @@ async def create(
     return generation.flag_priority(response, serving, internal)
 
 
-@router.get("/responses/{response_id}", responses={404: {"description": "unknown response"}})
+@router.get("/responses/{response_id}", responses=documented((NotFound, "unknown response")))
 async def retrieve(response_id: str, request: Request, key_name: KeyNameDep) -> dict[str, Any]:
     """A stored response as last reported (a background one: its status now); another API
     key's response is a 404, as an unknown one."""
@@ -122,13 +130,13 @@ async def cancel(
     API key's response is a 404, as an unknown one."""
     entry = _stored(response_store(request), response_id, key_name)
     if not entry.background:
-        raise APIError(400, "Cannot cancel a synchronous response.", param="response_id",
-                       code="not_cancellable")  # fmt: skip
+        raise InvalidField("Cannot cancel a synchronous response.", param="response_id",
+                           code="not_cancellable")  # fmt: skip
     if entry.status == "cancelled":
         return entry.response
     if not entry.running:
-        raise APIError(400, f"Cannot cancel a response that is already {entry.status}.",
-                       param="response_id", code="not_cancellable")  # fmt: skip
+        raise InvalidField(f"Cannot cancel a response that is already {entry.status}.",
+                           param="response_id", code="not_cancellable")  # fmt: skip
     entry.cancelled = True
     await serving.cancel(entry.id)
     if entry.task is not None:
@@ -142,20 +150,20 @@ def _check_options(body: ResponsesRequest, store: ResponseStore) -> None:
     that is not stored or is streamed."""
     for index, tool in enumerate(body.tools):
         if tool.type != "function":
-            raise APIError(400, f"tool type {tool.type!r} is not supported: this server runs "
-                           "no built-in tools (web search, file search, code interpreter, ...)",
-                           param=f"tools.{index}.type", code="unsupported_tool")  # fmt: skip
+            raise InvalidField(f"tool type {tool.type!r} is not supported: this server runs "
+                               "no built-in tools (web search, file search, code interpreter, ...)",
+                               param=f"tools.{index}.type", code="unsupported_tool")  # fmt: skip
         if tool.name is None:
-            raise APIError(400, "a function tool needs a name", param=f"tools.{index}.name",
-                           code="missing")  # fmt: skip
+            raise InvalidField("a function tool needs a name", param=f"tools.{index}.name",
+                               code="missing")  # fmt: skip
     if body.background and (not body.store or not store.enabled):
         raise _unsupported("background", "background responses must be stored (store: true, "
                            "and the server's --responses-store-size above 0)")  # fmt: skip
     if body.background and store.running_background() >= store.size:
-        raise APIError(429, f"{store.size} background responses are running (the store's "
-                       "--responses-store-size); retry when one has finished", "overloaded_error",
-                       param="background", code="too_many_background_responses",
-                       headers={"Retry-After": RETRY_AFTER})  # fmt: skip
+        raise Overloaded(f"{store.size} background responses are running (the store's "
+                         "--responses-store-size); retry when one has finished",
+                         param="background", code="too_many_background_responses",
+                         headers={"Retry-After": RETRY_AFTER})  # fmt: skip
     if body.background and body.stream:
         raise _unsupported("stream", "a background response cannot be streamed here; poll it "
                            "with GET /v1/responses/{id}")  # fmt: skip
@@ -167,24 +175,11 @@ def tool_plan(body: ResponsesRequest, serving: Serving) -> ToolPlan | None:
     specs = [ToolSpec(t.name or "", t.description or "", t.parameters or {"type": "object"})
              for t in body.tools]  # fmt: skip
     field = body.tool_choice
-    if isinstance(field, NamedChoice):
-        if field.name not in {spec.name for spec in specs}:
-            raise APIError(400, f"tool_choice names {field.name!r}, which is not in tools",
-                           param="tool_choice.name", code="invalid_tool_choice")  # fmt: skip
-        choice = ToolChoice(ToolMode.NAMED, field.name)
-    elif field is None:
-        choice = ToolChoice(ToolMode.AUTO if specs else ToolMode.NONE)
-    else:
-        if field != "none" and not specs:
-            raise APIError(400, f"tool_choice {field!r} needs tools", param="tool_choice",
-                           code="invalid_tool_choice")  # fmt: skip
-        choice = ToolChoice(ToolMode(field))
-    if choice.mode is ToolMode.NONE:
-        return None
+    choice, name = ("function", field.name) if isinstance(field, NamedChoice) else (field, None)
     # a mock decides whether to call under auto, unless the text has a format to follow
-    if choice.mode is ToolMode.AUTO and text_constraint(body) is None and serving.mock_calls_tool():
-        choice = ToolChoice(ToolMode.REQUIRED)
-    return ToolPlan(specs, choice, body.parallel_tool_calls is not False)
+    return tools.plan_tools(specs, choice, name, body.parallel_tool_calls is not False, serving,
+                            name_param="tool_choice.name",
+                            decide=text_constraint(body) is None)  # fmt: skip
 
 
 def output_constraint(
@@ -197,8 +192,8 @@ def output_constraint(
     if forced is None:
         return text, "text.format.schema"
     if text is not None:
-        raise APIError(400, "text.format cannot be combined with a tool_choice that forces a "
-                       "tool call", param="text.format", code="invalid_request")  # fmt: skip
+        raise InvalidField("text.format cannot be combined with a tool_choice that forces a "
+                           "tool call", param="text.format", code="invalid_request")  # fmt: skip
     return forced, "tools"
 
 
@@ -214,13 +209,13 @@ def text_constraint(body: ResponsesRequest) -> Constraint | None:
         raise _unsupported("text.format.type", f"text.format type {fmt.type!r} is not "
                            "supported: text, json_object or json_schema")  # fmt: skip
     if fmt.schema_ is None:
-        raise APIError(400, "text.format.schema is required with type json_schema",
-                       param="text.format.schema", code="missing")  # fmt: skip
+        raise InvalidField("text.format.schema is required with type json_schema",
+                           param="text.format.schema", code="missing")  # fmt: skip
     return Constraint.json_schema(fmt.schema_)
 
 
 def _unsupported(param: str, message: str) -> APIError:
-    return APIError(400, message, param=param, code="unsupported_parameter")
+    return InvalidField(message, param=param, code="unsupported_parameter")
 
 
 def _previous(body: ResponsesRequest, store: ResponseStore, owner: str | None) -> Stored | None:
@@ -228,12 +223,13 @@ def _previous(body: ResponsesRequest, store: ResponseStore, owner: str | None) -
         return None
     entry = _stored(store, body.previous_response_id, owner, param="previous_response_id")
     if entry.running:
-        raise APIError(400, f"previous response {entry.id!r} is still {entry.status}",
-                       param="previous_response_id", code="previous_response_running")  # fmt: skip
+        raise InvalidField(f"previous response {entry.id!r} is still {entry.status}",
+                           param="previous_response_id",
+                           code="previous_response_running")  # fmt: skip
     if entry.status == "failed":
-        raise APIError(400, f"previous response {entry.id!r} failed: it has no answer to "
-                       "continue from", param="previous_response_id",
-                       code="previous_response_failed")  # fmt: skip
+        raise InvalidField(f"previous response {entry.id!r} failed: it has no answer to "
+                           "continue from", param="previous_response_id",
+                           code="previous_response_failed")  # fmt: skip
     return entry
 
 
@@ -244,9 +240,9 @@ def _stored(
     answer for an unknown, expired or another key's response."""
     entry = store.get(response_id, owner)
     if entry is None:
-        raise APIError(404, f"no stored response with id {response_id!r} (responses are kept "
+        raise NotFound(f"no stored response with id {response_id!r} (responses are kept "
                        "in memory, bounded in count, bytes and age, and lost on restart)",
-                       "not_found_error", param=param, code="response_not_found")  # fmt: skip
+                       param=param, code="response_not_found")  # fmt: skip
     return entry
 
 
@@ -264,9 +260,10 @@ def conversation(
             _add_call(messages, ToolCall(item.name, item.arguments, item.call_id))
         elif isinstance(item, FunctionCallOutputItem):
             if item.call_id not in calls:
-                raise APIError(400, f"function_call_output's call_id {item.call_id!r} answers "
-                               "no function_call item before it", param=f"input.{index}.call_id",
-                               code="unmatched_function_call_output")  # fmt: skip
+                raise InvalidField(f"function_call_output's call_id {item.call_id!r} answers "
+                                   "no function_call item before it",
+                                   param=f"input.{index}.call_id",
+                                   code="unmatched_function_call_output")  # fmt: skip
             messages.append(ChatMessage(role="tool", content=item.text(),
                                         tool_call_id=item.call_id))  # fmt: skip
         else:
@@ -319,13 +316,13 @@ async def _background(
     unfinished request is aborted."""
     entry.response = shape.object("in_progress")
     try:
-        outcome = await generation.collect(run, serving)
+        outcome = (await generation.collect(run, serving))[0]
     except Exception as err:
         if isinstance(err, generation.ModelFailed):
             entry.response = shape.failed(err.error)
         else:
             log.exception("background response %s failed", run.id)
-            entry.response = shape.failed(APIError(500, str(err), "server_error"))
+            entry.response = shape.failed(ServerFault(str(err)))
         store.finished(entry)
         return
     except BaseException:  # cancelled (shutdown): it still ends
@@ -333,7 +330,7 @@ async def _background(
         store.finished(entry)
         raise
     finally:
-        if run.stream.seq.finish_reason is None:  # cancelled from outside (shutdown)
+        if run.stream.view.finish_reason is None:  # cancelled from outside (shutdown)
             serving.abort(run.id)
     cancelled = entry.cancelled and outcome.finish_reason == "abort"
     final = shape.finished(outcome, "cancelled" if cancelled else None)
@@ -385,8 +382,9 @@ class ResponseShape:
         logprob, bytes, top_logprobs); [] when not asked for."""
         if self.top is None:
             return []
-        run = self.run
-        return chat_content(run.tokens[start:], run.logprobs[start:], self.token_text, self.top)
+        choice = self.run.choices[0]
+        entries = choice.logprobs or []
+        return chat_content(choice.tokens[start:], entries[start:], self.token_text, self.top)
 
     @staticmethod
     def call(call: ToolCall, arguments: str | None, status: str) -> dict[str, Any]:
@@ -418,7 +416,7 @@ class ResponseShape:
     def failed(self, error: APIError) -> dict[str, Any]:
         """The ``failed`` object: ``error.code`` is ``server_error`` for our faults, else the
         client's problem (``invalid_grammar``: the grammar engine gave up on its grammar)."""
-        code = "server_error" if error.status >= 500 else error.code or "invalid_request"
+        code = "server_error" if error.server_fault else error.code or "invalid_request"
         return self.object("failed", error={"code": code, "message": error.message})
 
 
@@ -426,7 +424,7 @@ def _dumped(value: Any) -> Any:
     return value.model_dump() if isinstance(value, NamedChoice) else value
 
 
-class ResponseEvents:
+class ResponseEvents(generation.PartShaper):
     """OpenAI's typed Responses events for one response (an ``EventShaper``); ``keep`` gets
     the final object and the outcome (to store them). Without tools the message item opens at
     once; with tools, each output item (the message, then one per function call) opens when its
@@ -491,7 +489,10 @@ class ResponseEvents:
             yield from self._open_message()
         assert self.said is not None
         self.said.append(delta)
-        logprobs, self.shown = self.shape.logprobs(self.shown), len(self.shape.run.tokens)
+        logprobs, self.shown = (
+            self.shape.logprobs(self.shown),
+            len(self.shape.run.choices[0].tokens),
+        )
         yield self._event("response.output_text.delta", **self._at(), delta=delta,
                           logprobs=logprobs)  # fmt: skip
 

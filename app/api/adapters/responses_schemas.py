@@ -8,8 +8,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictStr, Tag
 
-from app.api.schemas import MaxTokens, Priority, SamplingFields, Text, TopLogprobs, UserName
-from app.api.tools import FunctionName
+from app.api.schemas import (
+    FunctionName,
+    MaxTokens,
+    Priority,
+    SamplingFields,
+    Text,
+    TopLogprobs,
+    UserName,
+)
 from app.models.protocol import SamplingParams
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
