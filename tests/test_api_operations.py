@@ -28,10 +28,10 @@ async def test_metrics_use_vllm_names_and_count_requests(make_client: ClientFact
             )
         text = (await client.get("/metrics")).text
         assert (
-            'vllm:request_success_total{finished_reason="length",key="",model_name="m"} 3.0' in text
+            'vllm:request_success_total{engine="0",finished_reason="length",key="",model_name="m"} 3.0' in text
         )
-        assert 'vllm:generation_tokens_total{model_name="m"} 15.0' in text
-        assert 'vllm:prompt_tokens_total{model_name="m"} 6.0' in text
+        assert 'vllm:generation_tokens_total{engine="0",model_name="m"} 15.0' in text
+        assert 'vllm:prompt_tokens_total{engine="0",model_name="m"} 6.0' in text
         for name in (
             "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
             "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
@@ -40,7 +40,7 @@ async def test_metrics_use_vllm_names_and_count_requests(make_client: ClientFact
         ):  # fmt: skip
             assert name in text, name
         # 3 requests x 4 gaps between their 5 tokens
-        assert 'vllm:inter_token_latency_seconds_count{model_name="m"} 12.0' in text
+        assert 'vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} 12.0' in text
 
 
 async def test_gauges_are_fresh_right_after_aborts(make_client: ClientFactory) -> None:
@@ -56,10 +56,10 @@ async def test_gauges_are_fresh_right_after_aborts(make_client: ClientFactory) -
         for stream in streams:
             await stream.collect()
         text = (await client.get("/metrics")).text
-        assert 'vllm:num_requests_running{model_name="slotserve-mock"} 0.0' in text
-        assert 'vllm:num_requests_waiting{model_name="slotserve-mock"} 0.0' in text
+        assert 'vllm:num_requests_running{engine="0",model_name="slotserve-mock"} 0.0' in text
+        assert 'vllm:num_requests_waiting{engine="0",model_name="slotserve-mock"} 0.0' in text
         assert (
-            'vllm:request_success_total{finished_reason="abort",key="",'
+            'vllm:request_success_total{engine="0",finished_reason="abort",key="",'
             'model_name="slotserve-mock"} 4.0' in text
         )
 
