@@ -93,8 +93,8 @@ async def test_stop_string_truncates_and_finishes_with_stop(make_client: ClientF
             assert reason == "stop"
         metrics = (await client.get("/metrics")).text
         assert (
-            'request_success_total{engine="0",finished_reason="stop",key="",model_name="slotserve-mock"} 2.0'
-            in metrics
+            'request_success_total{engine="0",finished_reason="stop",key="",'
+            'model_name="slotserve-mock"} 2.0' in metrics
         )
         # Every finish reason is exported from the start: none of these ended as an abort.
         assert 'finished_reason="abort",key="",model_name="slotserve-mock"} 0.0' in metrics
