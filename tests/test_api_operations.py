@@ -5,6 +5,7 @@ from __future__ import annotations
 from conftest import ClientFactory, serving_of
 
 from app.serving import GenerationParams
+from app.version import version
 
 
 async def test_health_is_200_while_serving_and_503_once_draining(
@@ -19,6 +20,13 @@ async def test_health_is_200_while_serving_and_503_once_draining(
         assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
 
 
+async def test_version_answers_as_vllm_does(make_client: ClientFactory) -> None:
+    """vLLM's GET /version: a client or router probing it gets 200 and a version string."""
+    async with make_client() as client:
+        r = await client.get("/version")
+        assert r.status_code == 200 and r.json() == {"version": version()}
+
+
 async def test_metrics_use_vllm_names_and_count_requests(make_client: ClientFactory) -> None:
     async with make_client(model_name="m") as client:
         for _ in range(3):
@@ -28,7 +36,8 @@ async def test_metrics_use_vllm_names_and_count_requests(make_client: ClientFact
             )
         text = (await client.get("/metrics")).text
         assert (
-            'vllm:request_success_total{engine="0",finished_reason="length",key="",model_name="m"} 3.0' in text
+            'vllm:request_success_total{engine="0",finished_reason="length",key="",'
+            'model_name="m"} 3.0' in text
         )
         assert 'vllm:generation_tokens_total{engine="0",model_name="m"} 15.0' in text
         assert 'vllm:prompt_tokens_total{engine="0",model_name="m"} 6.0' in text

@@ -1,4 +1,4 @@
-"""Operational routes: ``/health``, ``/metrics`` (Prometheus) and ``/slots``."""
+"""Operational routes: ``/health``, ``/version``, ``/metrics`` (Prometheus) and ``/slots``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.api.deps import KeyNameDep, ServingDep
 from app.api.errors import error_body, not_serving
+from app.version import version
 
 router = APIRouter(tags=["operations"])
 
@@ -28,6 +29,12 @@ async def health(serving: ServingDep) -> Response:
     err = not_serving(state)
     body = error_body(err.message, err.type, err.param, err.code)
     return JSONResponse(body | {"status": state}, status_code=err.status)
+
+
+@router.get("/version")
+async def server_version() -> dict[str, str]:
+    """``{"version": ...}``, as vLLM answers it (slotserve's version here)."""
+    return {"version": version()}
 
 
 @router.get("/metrics")
