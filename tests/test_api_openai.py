@@ -15,6 +15,11 @@ async def test_models_lists_the_served_model(make_client: ClientFactory) -> None
     async with make_client(model_name="m1") as client:
         data = (await client.get("/v1/models")).json()
         assert [m["id"] for m in data["data"]] == ["m1"]
+        (model,) = data["data"]
+        # vLLM's fields, which its clients and routers read (root: the name, not a path)
+        assert (model["root"], model["parent"]) == ("m1", None)
+        (permission,) = model["permission"]
+        assert permission["object"] == "model_permission" and permission["allow_sampling"]
 
 
 async def test_completion_text_matches_native_generate(make_client: ClientFactory) -> None:

@@ -36,12 +36,16 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 
 @router.get("/models")
 async def list_models(serving: ServingDep) -> dict[str, Any]:
+    created, name = int(serving.started_at), serving.settings.model_name
     model = {
-        "id": serving.settings.model_name,
+        "id": name,
         "object": "model",
-        "created": int(serving.started_at),
+        "created": created,
         "owned_by": "slotserve",
+        "root": name,  # vLLM's: the model's path, which we keep to ourselves (as an adapter's)
+        "parent": None,
         "max_model_len": serving.settings.max_model_len,
+        "permission": [_permission(created)],  # vLLM's field, from OpenAI's former API
         "profile": serving.settings.profile,  # the GPU the step clock imitates (null: none)
     }
     # an adapter's root is its name: vLLM shows its local path there, which tells any caller
@@ -52,6 +56,14 @@ async def list_models(serving: ServingDep) -> dict[str, Any]:
         for a in serving.loras.adapters.values()
     ]  # fmt: skip
     return {"object": "list", "data": [model, *adapters]}
+
+
+def _permission(created: int) -> dict[str, Any]:
+    """The one ``permission`` entry vLLM lists per model: sampling and logprobs allowed."""
+    return {"id": f"modelperm-{created:x}", "object": "model_permission", "created": created,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+            "organization": "*", "group": None, "is_blocking": False}  # fmt: skip
 
 
 @router.post("/completions", responses=ERROR_RESPONSES)
