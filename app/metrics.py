@@ -165,7 +165,10 @@ class KVEventCounters(Collector):
 class RankedMetrics(Collector):
     """The metrics of one or several data-parallel ranks as one set of families, each sample
     labelled ``engine="<rank>"`` (vLLM's label for an engine core, which it always sets: a
-    dashboard filtering on it finds a single engine too)."""
+    dashboard filtering on it finds a single engine too). vLLM exports ``vllm:lora_requests_info``
+    without it: so does one rank (several must tell their samples apart)."""
+
+    UNLABELLED = frozenset({"vllm:lora_requests_info"})
 
     def __init__(self, registries: Seq[CollectorRegistry]) -> None:
         self.registries = registries
@@ -178,8 +181,9 @@ class RankedMetrics(Collector):
                 if target is None:
                     target = Metric(family.name, family.documentation, family.type, family.unit)
                     merged[family.name] = target
+                alone = len(self.registries) == 1 and family.name in self.UNLABELLED
                 for sample in family.samples:
-                    labels = {**sample.labels, "engine": str(rank)}
+                    labels = sample.labels if alone else {**sample.labels, "engine": str(rank)}
                     target.add_sample(sample.name, labels, sample.value, sample.timestamp,
                                       sample.exemplar)  # fmt: skip
         yield from merged.values()
