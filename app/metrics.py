@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -165,10 +165,10 @@ class KVEventCounters(Collector):
 class RankedMetrics(Collector):
     """The metrics of one or several data-parallel ranks as one set of families, each sample
     labelled ``engine="<rank>"`` (vLLM's label for an engine core, which it always sets: a
-    dashboard filtering on it finds a single engine too). vLLM exports ``vllm:lora_requests_info``
-    without it: so does one rank (several must tell their samples apart)."""
+    dashboard filtering on it finds a single engine too). vLLM exports the families in
+    ``UNLABELLED`` without it: so does one rank (several must tell their samples apart)."""
 
-    UNLABELLED = frozenset({"vllm:lora_requests_info"})
+    UNLABELLED = frozenset({"vllm:lora_requests_info", "vllm:admission_rejections"})
 
     def __init__(self, registries: Seq[CollectorRegistry]) -> None:
         self.registries = registries
@@ -323,6 +323,24 @@ class EngineMetrics:
         self.cached_prompt_tokens = counter(
             "vllm:prompt_tokens_cached", "Prompt tokens found in the prefix cache."
         )
+        self.prompt_by_source = counter(
+            "vllm:prompt_tokens_by_source", "Prompt tokens by where their KV came from.",
+            ["source"],
+        )  # fmt: skip
+        self.cached_by_source = counter(
+            "vllm:prompt_tokens_cached_by_source", "Prefix-cache hits by cache tier.", ["source"]
+        )
+        self.admission_rejections = Counter(
+            "vllm:admission_rejections", "Requests refused by a queue limit, by reason.",
+            ["model_name", "reason"], registry=reg,
+        )  # fmt: skip
+        # no multimodal inputs and no KV connector here: vLLM's families for them stay at 0
+        zeros = [counter(name, doc) for name, doc in (
+            ("vllm:mm_cache_queries", "Multimodal cache queries (none: text only)."),
+            ("vllm:mm_cache_hits", "Multimodal cache hits (none: text only)."),
+            ("vllm:external_prefix_cache_queries", "KV-connector cache queries (none here)."),
+            ("vllm:external_prefix_cache_hits", "KV-connector cache hits (none here)."),
+        )]  # fmt: skip
         self.step_duration = histogram(
             "slotserve:step_duration_seconds", "Decode step wall time.", STEP_BUCKETS
         )
@@ -339,10 +357,22 @@ class EngineMetrics:
         self._prefix_queries = self.prefix_queries.labels(model_name)
         self._prefix_hits = self.prefix_hits.labels(model_name)
         self._cached_prompt_tokens = self.cached_prompt_tokens.labels(model_name)
+        self._computed_source = self.prompt_by_source.labels(model_name, "local_compute")
+        self._hit_source = self.prompt_by_source.labels(model_name, "local_cache_hit")
+        self._device_hits = self.cached_by_source.labels(model_name, "device")
         self._iteration_tokens = self.iteration_tokens.labels(model_name)
         # the "key" label is "" without named API keys (a named key's series start at its first use)
         export_at_zero(self.success, *[(model_name, r.value, "") for r in FinishReason])
         export_at_zero(self.rejected, *[(model_name, reason, "") for reason in REJECT_REASONS])
+        export_at_zero(self.prompt_by_source, *[(model_name, source) for source in (
+            "local_compute", "local_cache_hit", "external_kv_transfer")])  # fmt: skip
+        export_at_zero(self.cached_by_source, *[(model_name, source) for source in (
+            "device", "host", "p2p", "disk", "external_unspecified")])  # fmt: skip
+        export_at_zero(self.admission_rejections, (model_name, "max_num_queued_reqs"),
+                       (model_name, "max_num_queued_tokens"))  # fmt: skip
+        export_at_zero(self.cached_prompt_tokens, (model_name,))
+        for zero in zeros:
+            export_at_zero(zero, (model_name,))
         for metric in (self.model_failures, self.ttft, self.e2e, self.queue_time,
                        self.prompt_len, self.gen_len, self.inference_time, self.prefill_time,
                        self.decode_time, self.tpot, self.prefill_computed, self.params_n,
@@ -359,6 +389,13 @@ class EngineMetrics:
         self.slots_occupied.labels(name).set_function(lambda: core.num_running)
         self.slots_total.labels(name).set(core.config.num_slots)
         self.cache_usage.labels(name).set_function(lambda: books.usage(table.running()))
+        waiting = Gauge(
+            "vllm:num_requests_waiting_by_reason", "Waiting requests by reason (capacity: "
+            "waiting for a slot; deferred: none here).", ["model_name", "reason"],
+            registry=self.families,
+        )  # fmt: skip
+        waiting.labels(name, "capacity").set_function(lambda: core.num_waiting)
+        waiting.labels(name, "deferred").set(0)
         slots = core.scheduler.slots
         self.slots_out_of_service.labels(name).set_function(lambda: len(slots.out_of_service))
         self.families.register(ObserverErrors(core, {"model_name": name}))
@@ -371,9 +408,25 @@ class EngineMetrics:
         """Export ``publisher``'s batch counters."""
         self.families.register(KVEventCounters(publisher, {"model_name": self.model_name}))
 
+    def watch_sleep(self, level: Callable[[], int]) -> None:
+        """Export ``vllm:engine_sleep_state`` read from ``level()`` (0: awake, 1: weights
+        offloaded, 2: all discarded), one series per state set to 1 or 0."""
+        gauge = Gauge(
+            "vllm:engine_sleep_state", "Sleep state: awake, weights_offloaded (level 1) or "
+            "discard_all (level 2), the current one 1.", ["model_name", "sleep_state"],
+            registry=self.families,
+        )  # fmt: skip
+        for number, state in enumerate(("awake", "weights_offloaded", "discard_all")):
+            gauge.labels(self.model_name, state).set_function(
+                lambda number=number: float(level() == number)  # type: ignore[misc]
+            )
+
     def reject(self, reason: str, key: str = "") -> None:
-        """A request refused before queueing; ``key`` is its API key's name ("" without keys)."""
+        """A request refused before queueing; ``key`` is its API key's name ("" without keys).
+        A full queue is vLLM's ``max_num_queued_reqs`` admission rejection too."""
         self.rejected.labels(self.model_name, reason, key).inc()
+        if reason == "queue_full":
+            self.admission_rejections.labels(self.model_name, "max_num_queued_reqs").inc()
 
     def attribute(self, request_id: str, key: str) -> None:
         """Label the live request ``request_id``'s counters with API key name ``key``."""
@@ -391,13 +444,18 @@ class EngineMetrics:
         self.totals.steps += 1
         self.totals.step_seconds += ended - out.started_at
         if out.admitted:
-            self._prompt_tokens.inc(sum(seq.prompt_len for seq in out.admitted))
+            admitted = sum(seq.prompt_len for seq in out.admitted)
+            self._prompt_tokens.inc(admitted)
+            hits = min(out.prefix_hits, admitted)  # hits of resumed requests aside
+            self._computed_source.inc(admitted - hits)
+            self._hit_source.inc(hits)
         if out.preempted:
             self._preemptions.inc(len(out.preempted))
         if out.prefix_queries:
             self._prefix_queries.inc(out.prefix_queries)
             self._prefix_hits.inc(out.prefix_hits)
             self._cached_prompt_tokens.inc(out.prefix_hits)
+            self._device_hits.inc(out.prefix_hits)
         self._iteration_tokens.observe(out.num_prefill_tokens + len(out.decode_seqs))
         if outcome.error is not None:
             self.model_failures.labels(self.model_name).inc()

@@ -458,8 +458,10 @@ class Serving:
     def _new_metrics(self) -> EngineMetrics:
         """One rank's metrics (vLLM's families; token buckets up to the context length)."""
         settings = self.settings
-        return EngineMetrics(settings.model_name, settings.num_slots, settings.profile,
-                             settings.max_model_len)  # fmt: skip
+        metrics = EngineMetrics(settings.model_name, settings.num_slots, settings.profile,
+                                settings.max_model_len)  # fmt: skip
+        metrics.watch_sleep(lambda: self.sleep_level)
+        return metrics
 
     def submit(self, params: GenerationParams, id_prefix: str = "gen") -> RequestStream:
         """Validate ``params`` against the model and queue the request: ``prepare`` then
