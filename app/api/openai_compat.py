@@ -28,10 +28,12 @@ from app.engine.types import FinishReason
 from app.models.protocol import Logprobs
 from app.serving import GenerationParams, Serving
 from app.structured.constraint import Constraint
+from app.version import version
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 DONE = b"data: [DONE]\n\n"
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+FINGERPRINT = f"slotserve-{version()}"  # system_fingerprint: the server and its version
 
 
 @router.get("/models")
@@ -390,6 +392,7 @@ async def _respond(
 ) -> Response:
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
+        shape.usage_last = usage
         chunks = _stream_chunks(run, serving, shape, usage)
         return sse_response(chunks, run.streams, serving)
     abort = lambda: run.abort(serving)  # noqa: E731
@@ -436,10 +439,13 @@ async def _stream_chunks(
 
 
 class Shape:
-    """How one route lays out its response objects."""
+    """How one route lays out its response objects. ``system_fingerprint`` (vLLM's, naming the
+    server's version) is on a whole reply, and in a stream on the last chunk: the usage chunk
+    when one is asked for (``usage_last``), else the chunk that ends a choice."""
 
     object_whole = ""
     object_chunk = ""
+    usage_last = False
 
     def __init__(self, request_id: str, model: str, run: Run) -> None:
         self.id, self.model, self.run = request_id, model, run
@@ -453,17 +459,22 @@ class Shape:
 
     def whole(self, pieces: list[Piece], usage: dict[str, int], created: int) -> dict[str, Any]:
         choices = [self.choice(piece) for piece in pieces]
-        return self.envelope(self.object_whole, created, choices) | {"usage": usage}
+        return self.envelope(self.object_whole, created, choices) | {
+            "system_fingerprint": FINGERPRINT, "usage": usage}  # fmt: skip
 
     def chunk(self, piece: Piece, created: int) -> dict[str, Any]:
-        return self.envelope(self.object_chunk, created, [self.delta(piece)])
+        out = self.envelope(self.object_chunk, created, [self.delta(piece)])
+        if piece.reason is not None and not self.usage_last:
+            out["system_fingerprint"] = FINGERPRINT
+        return out
 
     def chunks(self, piece: Piece, created: int) -> list[dict[str, Any]]:
         """The stream chunks for one piece of the reply."""
         return [self.chunk(piece, created)]
 
     def usage_chunk(self, usage: dict[str, int], created: int) -> dict[str, Any]:
-        return self.envelope(self.object_chunk, created, []) | {"usage": usage}
+        return self.envelope(self.object_chunk, created, []) | {
+            "usage": usage, "system_fingerprint": FINGERPRINT}  # fmt: skip
 
     choice: Callable[..., dict[str, Any]]
     delta: Callable[..., dict[str, Any]]
@@ -566,5 +577,8 @@ class ToolChatShape(ChatShape):
             choice = {"index": piece.index, "delta": delta, "finish_reason": end,
                       "logprobs": logprobs}  # fmt: skip
             logprobs = None  # once per piece
-            out.append(self.envelope(self.object_chunk, created, [choice]))
+            chunk = self.envelope(self.object_chunk, created, [choice])
+            if end is not None and not self.usage_last:
+                chunk["system_fingerprint"] = FINGERPRINT
+            out.append(chunk)
         return out
