@@ -172,6 +172,7 @@ class Piece:
     tokens: list[int]
     logprobs: list[Logprobs | None] | None = None
     index: int = 0  # the choice it belongs to (n > 1)
+    stop: str | None = None  # the stop string that ended the choice (vLLM's stop_reason)
 
 
 def _start(
@@ -318,7 +319,7 @@ async def _texts(run: Run, serving: Serving, index: int = 0) -> AsyncIterator[Pi
             text = aligned.take(matcher, delta.tokens, delta.logprobs)
             tokens, entries = aligned.release()
         if matcher.hit:
-            yield Piece(text, FinishReason.STOP.value, tokens, entries, index)
+            yield Piece(text, FinishReason.STOP.value, tokens, entries, index, matcher.matched)
             return
         if delta.finish_reason is FinishReason.ERROR:
             raise _ModelFailed(generation_failed(stream.seq.error, run.grammar_param))
@@ -410,7 +411,7 @@ async def _collect(run: Run, serving: Serving) -> list[Piece]:
         async for piece in _all_texts(run, serving):
             whole = wholes[piece.index]
             whole.text += piece.text
-            whole.reason = piece.reason
+            whole.reason, whole.stop = piece.reason, piece.stop
             whole.tokens += piece.tokens
             if whole.logprobs is not None:
                 whole.logprobs += piece.logprobs or [None] * len(piece.tokens)
@@ -504,13 +505,15 @@ class CompletionShape(Shape):
             prompt_entries = seq.prompt_logprobs or [None] * len(prompt)
             logprobs = None if piece.logprobs is None else [*prompt_entries, *piece.logprobs]
             text = self.run.text.decode(prompt)
-            piece = Piece(text + piece.text, piece.reason, [*prompt, *piece.tokens], logprobs)
+            tokens = [*prompt, *piece.tokens]
+            piece = dataclasses.replace(piece, text=text + piece.text, tokens=tokens,
+                                        logprobs=logprobs)  # fmt: skip
         rendered, renderer = None, self.logprobs[index]
         if renderer is not None:
             entries = piece.logprobs or [None] * len(piece.tokens)
             rendered = renderer.render(piece.tokens, entries)
         out = {"index": index, "text": piece.text, "finish_reason": piece.reason,
-               "logprobs": rendered}  # fmt: skip
+               "stop_reason": piece.stop, "logprobs": rendered}  # fmt: skip
         if first and seq.prompt_logprobs is not None:
             out["prompt_logprobs"] = prompt_logprobs(seq.prompt, seq.prompt_logprobs, self.run.text)
         return out
@@ -534,12 +537,15 @@ class ChatShape(Shape):
     def choice(self, piece: Piece) -> dict[str, Any]:
         message = {"role": "assistant", "content": piece.text}
         return {"index": piece.index, "message": message, "finish_reason": piece.reason,
-                "logprobs": self._logprobs(piece)}  # fmt: skip
+                "stop_reason": piece.stop, "logprobs": self._logprobs(piece)}  # fmt: skip
 
     def delta(self, piece: Piece) -> dict[str, Any]:
         content = {"content": piece.text} if piece.text else {}
-        return {"index": piece.index, "delta": content, "finish_reason": piece.reason,
-                "logprobs": self._logprobs(piece)}  # fmt: skip
+        out = {"index": piece.index, "delta": content, "finish_reason": piece.reason,
+               "logprobs": self._logprobs(piece)}  # fmt: skip
+        if piece.stop is not None:  # vLLM's, on the chunk a stop string ends
+            out["stop_reason"] = piece.stop
+        return out
 
     def whole(self, pieces: list[Piece], usage: dict[str, int], created: int) -> dict[str, Any]:
         out = super().whole(pieces, usage, created)
@@ -568,7 +574,7 @@ class ToolChatShape(ChatShape):
     def choice(self, piece: Piece) -> dict[str, Any]:
         message, reason = whole_message(piece.text, piece.reason, self.plan)
         return {"index": piece.index, "message": message, "finish_reason": reason,
-                "logprobs": self._logprobs(piece)}  # fmt: skip
+                "stop_reason": piece.stop, "logprobs": self._logprobs(piece)}  # fmt: skip
 
     def chunks(self, piece: Piece, created: int) -> list[dict[str, Any]]:
         logprobs = self._logprobs(piece)
