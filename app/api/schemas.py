@@ -225,6 +225,11 @@ class ChatMessage(BaseModel):
     tool_calls: list[MessageToolCall] | None = None  # an assistant's calls (app/api/tools.py)
     tool_call_id: StrictStr | None = None  # a tool message: the call it answers
 
+    def template_role(self) -> str:
+        """The role the chat template sees: a ``developer`` message is a system one, as vLLM
+        renders it (SmolLM2's template would otherwise add its default system prompt too)."""
+        return "system" if self.role == "developer" else self.role
+
     def text(self) -> str:
         if self.content is None:
             return ""

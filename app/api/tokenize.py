@@ -89,7 +89,7 @@ async def tokenize(body: TokenizeRequest, serving: ServingDep) -> Response:
 
     def answer() -> dict[str, Any]:
         if body.messages is not None:
-            tokens = tokenizer.chat_prompt([(m.role, m.text()) for m in body.messages])
+            tokens = tokenizer.chat_prompt([(m.template_role(), m.text()) for m in body.messages])
         else:
             tokens = tokenizer.encode(body.prompt or "")
         strs = _spelling(tokenizer, tokens) if body.return_token_strs else None
