@@ -236,3 +236,15 @@ async def test_a_nested_mistake_names_the_innermost_field(
     async with make_client() as client:
         r = await client.post(path, json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+async def test_max_tokens_0_is_refused_as_vllm_refuses_it(make_client: ClientFactory) -> None:
+    """vLLM: max_tokens must be at least 1, but for a completion that echoes its prompt (a
+    prompt's score, as lm-evaluation-harness asks it)."""
+    async with make_client() as client:
+        chat = {"messages": [{"role": "user", "content": "hi"}]}
+        for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", chat)):
+            r = await client.post(path, json=body | {"max_tokens": 0})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        echo = {"prompt": "hi", "max_tokens": 0, "echo": True}
+        assert (await client.post("/v1/completions", json=echo)).status_code == 200

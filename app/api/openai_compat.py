@@ -196,6 +196,7 @@ def _start(
                        "unset (functions/function_call: use tools/tool_choice; guided_*: use "
                        "structured_outputs)",
                        param=unsupported, code="unsupported_parameter")  # fmt: skip
+    _as_vllm_refuses(body, max_tokens)
     stops = [] if constraint is not None and constraint[1] == "tools" else body.stop_strings()
     if constraint is None:
         constraint = requested_constraint(body.response_format, body.structured_outputs)
@@ -217,6 +218,15 @@ def _start(
     top = body.top_logprobs_asked()
     return Run(stream.request_id, streams, matchers, int(time.time()), text, top, n,
                grammar_param if grammar is not None else None)  # fmt: skip
+
+
+def _as_vllm_refuses(body: OpenAIParams, max_tokens: int | None) -> None:
+    """The requests vLLM answers with a 400 that this server could serve: refused alike, since
+    it stands in for vLLM (a client tested against it meets the same answers)."""
+    echo = isinstance(body, CompletionRequest) and bool(body.echo)
+    if max_tokens is not None and max_tokens < 1 and not echo:  # echo alone scores a prompt
+        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}",
+                       param="max_tokens", code="invalid_value")  # fmt: skip
 
 
 def _choices(body: OpenAIParams, serving: Serving, prompts: int, rank: int | None) -> int:
