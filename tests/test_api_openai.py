@@ -248,3 +248,13 @@ async def test_max_tokens_0_is_refused_as_vllm_refuses_it(make_client: ClientFac
             assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
         echo = {"prompt": "hi", "max_tokens": 0, "echo": True}
         assert (await client.post("/v1/completions", json=echo)).status_code == 200
+
+
+async def test_stream_options_without_stream_is_refused(make_client: ClientFactory) -> None:
+    """As vLLM answers it: include_usage means nothing to a whole reply."""
+    async with make_client() as client:
+        body = {"prompt": "hi", "stream_options": {"include_usage": True}}
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+        streamed = await client.post("/v1/completions", json=body | {"stream": True})
+        assert streamed.status_code == 200

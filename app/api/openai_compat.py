@@ -227,6 +227,9 @@ def _as_vllm_refuses(body: OpenAIParams, max_tokens: int | None) -> None:
     if max_tokens is not None and max_tokens < 1 and not echo:  # echo alone scores a prompt
         raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}",
                        param="max_tokens", code="invalid_value")  # fmt: skip
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options can only be set when stream is true",
+                       param="stream_options", code="invalid_value")  # fmt: skip
 
 
 def _choices(body: OpenAIParams, serving: Serving, prompts: int, rank: int | None) -> int:
