@@ -258,3 +258,12 @@ async def test_stream_options_without_stream_is_refused(make_client: ClientFacto
         assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
         streamed = await client.post("/v1/completions", json=body | {"stream": True})
         assert streamed.status_code == 200
+
+
+async def test_n_greedy_choices_are_refused(make_client: ClientFactory) -> None:
+    """As vLLM answers it: n > 1 at temperature 0 would be n copies of one answer."""
+    async with make_client() as client:
+        body = {"prompt": "hi", "n": 2, "max_tokens": 2}
+        r = await client.post("/v1/completions", json=body | {"temperature": 0})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+        assert (await client.post("/v1/completions", json=body)).status_code == 200

@@ -33,6 +33,7 @@ from app.version import version
 router = APIRouter(prefix="/v1", tags=["openai"])
 DONE = b"data: [DONE]\n\n"
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+GREEDY_BELOW = 1e-5  # a temperature below it samples greedily (vLLM's threshold)
 FINGERPRINT = f"slotserve-{version()}"  # system_fingerprint: the server and its version
 
 
@@ -227,6 +228,13 @@ def _as_vllm_refuses(body: OpenAIParams, max_tokens: int | None) -> None:
     if max_tokens is not None and max_tokens < 1 and not echo:  # echo alone scores a prompt
         raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}",
                        param="max_tokens", code="invalid_value")  # fmt: skip
+    if (body.n or 1) > 1 and body.temperature is not None and body.temperature < GREEDY_BELOW:
+        raise APIError(
+            400,
+            f"n must be 1 when using greedy sampling, got {body.n}",
+            param="n",
+            code="invalid_value",
+        )  # fmt: skip: n greedy choices would be one answer
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options can only be set when stream is true",
                        param="stream_options", code="invalid_value")  # fmt: skip
