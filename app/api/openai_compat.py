@@ -229,12 +229,8 @@ def _as_vllm_refuses(body: OpenAIParams, max_tokens: int | None) -> None:
         raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}",
                        param="max_tokens", code="invalid_value")  # fmt: skip
     if (body.n or 1) > 1 and body.temperature is not None and body.temperature < GREEDY_BELOW:
-        raise APIError(
-            400,
-            f"n must be 1 when using greedy sampling, got {body.n}",
-            param="n",
-            code="invalid_value",
-        )  # fmt: skip: n greedy choices would be one answer
+        raise APIError(400, f"n must be 1 when using greedy sampling, got {body.n}", param="n",
+                       code="invalid_value")  # fmt: skip
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options can only be set when stream is true",
                        param="stream_options", code="invalid_value")  # fmt: skip
