@@ -5,7 +5,7 @@ are ignored so real clients work; semantic checks (vocabulary, context length) l
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import (
     AfterValidator,
@@ -220,7 +220,9 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    # any role the chat template may know, as vLLM accepts ("system", "user", "assistant",
+    # "tool", "developer" have a meaning here); a word, so no role can forge template markup
+    role: Annotated[StrictStr, Field(pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")]
     content: Text | list[ContentPart] | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's calls (app/api/tools.py)
     tool_call_id: StrictStr | None = None  # a tool message: the call it answers
