@@ -7,12 +7,13 @@ after the stored conversation of ``previous_response_id`` if given, become one
 its ``sequence_number`` (``response.created``, ``response.in_progress``,
 ``response.output_item.added``, ``response.content_part.added``, ``response.output_text.delta``
 ..., ``response.output_text.done``, ``response.content_part.done``,
-``response.output_item.done``, then ``response.completed``, ``response.incomplete`` or, when a
-model call fails, ``response.failed``). ``background: true`` answers at once (status
-``queued``) and generates detached from the connection; ``cancel`` aborts it (its slot is free
-before the next step). Stored responses live in ``responses_store``. Status: ``completed``
-(end of sequence), ``incomplete`` (``max_output_tokens``), ``cancelled`` (cancelled, or ended
-early by the server), ``failed``.
+``response.output_item.done``, then ``response.completed`` (whatever the status: an incomplete
+or cancelled response too, as vLLM ends it and as the openai SDK's ``responses.stream()`` helper
+needs) or, when a model call fails, ``response.failed``). ``background: true`` answers at
+once (status ``queued``) and generates detached from the connection; ``cancel`` aborts it (its
+slot is free before the next step). Stored responses live in ``responses_store``. Status:
+``completed`` (end of sequence), ``incomplete`` (``max_output_tokens``), ``cancelled``
+(cancelled, or ended early by the server), ``failed``.
 """
 
 from __future__ import annotations
@@ -515,8 +516,7 @@ class ResponseEvents:
         yield from self._close("completed" if final["status"] == "completed" else "incomplete")
         self.keep(final, outcome)
         self.kept = True
-        terminal = "response.completed" if final["status"] == "completed" else "response.incomplete"
-        yield self._event(terminal, response=final)
+        yield self._event("response.completed", response=final)  # its status says how it ended
 
     def failure(self, error: APIError) -> Iterable[bytes]:
         final = self.shape.failed(error)
