@@ -48,11 +48,13 @@ def running_server(
     stderr: Any = None,
     launcher: Sequence[str] = ("-m", "app", "serve"),
     preexec_fn: Callable[[], None] | None = None,
+    startup_timeout: float = STARTUP_TIMEOUT,
 ) -> Iterator[ServerProcess]:
     """Start a server with ``flags`` on a free port; wait until /health is 200; kill it after.
     ``launcher``: the interpreter's arguments that start it (a test-only script takes the
     ``serve`` flags too, e.g. tests/hanging_server.py). ``preexec_fn`` runs in the child before
-    it starts (e.g. to lower its file limit)."""
+    it starts (e.g. to lower its file limit). ``startup_timeout``: seconds until healthy (a real
+    model loads for longer than the mock)."""
     port = free_port()
     command = [
         sys.executable,
@@ -72,7 +74,7 @@ def running_server(
     )
     server = ServerProcess(process, port)
     try:
-        _wait_healthy(server)
+        _wait_healthy(server, startup_timeout)
         yield server
     finally:
         if process.poll() is None:
@@ -80,8 +82,8 @@ def running_server(
         process.wait(timeout=10)
 
 
-def _wait_healthy(server: ServerProcess) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT
+def _wait_healthy(server: ServerProcess, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
             raise RuntimeError(f"server exited early with {server.process.returncode}")

@@ -100,8 +100,8 @@ def accepted_by(
 ) -> Accepted | None:
     """The accepted entry covering ``difference`` (None: it fails the parity test)."""
     for entry in accepted:
-        if any(fnmatchcase(difference.request, r) for r in entry.requests) and fnmatchcase(
-            difference.path, entry.path
+        if any(fnmatchcase(difference.request, r) for r in entry.requests) and any(
+            fnmatchcase(difference.path, p) for p in entry.paths
         ):
             return entry
     return None
