@@ -77,6 +77,7 @@ async def test_a_streamed_message_has_anthropics_event_sequence(
         assert start["id"] != whole["id"] and start["usage"]["input_tokens"] > 0
         assert end["delta"]["stop_reason"] == whole["stop_reason"] == "end_turn"
         assert end["usage"]["output_tokens"] == whole["usage"]["output_tokens"]
+        assert end["usage"]["input_tokens"] == whole["usage"]["input_tokens"]  # as vLLM sends it
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
