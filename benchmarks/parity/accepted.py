@@ -156,13 +156,6 @@ ACCEPTED: tuple[Accepted, ...] = (
         "what OpenAI's API answers; an SDK reads both",
     ),
     Accepted(
-        ("resp-*",), ("*.top_p", "*.presence_penalty", "*.frequency_penalty",
-                      "*.service_tier", "*.tool_choice"),
-        "a response does not echo `top_p`, the penalties and `service_tier`, and its "
-        "`tool_choice` is `auto` without tools where vLLM says `none`",
-        "not yet aligned", left=True,
-    ),
-    Accepted(
         ("resp-stream",), ("*.output[[]0[]].status", "*.item.status"),
         "a message cut by `max_output_tokens` has status `incomplete` where vLLM says "
         "`completed` (the response itself is `incomplete` in both)",

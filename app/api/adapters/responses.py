@@ -365,8 +365,11 @@ class ResponseShape:
             "model": self.model, "output": output or [],
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,
-            "temperature": body.temperature, "top_p": body.top_p,
-            "tool_choice": _dumped(body.tool_choice) or "auto",
+            # vLLM's echo of the sampling it applied: 1.0 and 0.0 when unset, no tools: "none"
+            "temperature": body.temperature, "top_p": 1.0 if body.top_p is None else body.top_p,
+            "presence_penalty": body.presence_penalty or 0.0,
+            "frequency_penalty": body.frequency_penalty or 0.0, "service_tier": "auto",
+            "tool_choice": _dumped(body.tool_choice) or ("auto" if body.tools else "none"),
             "tools": [tool.model_dump(exclude_none=True) for tool in body.tools],
             "text": {"format": fmt or {"type": "text"}}, "truncation": "disabled",
             "usage": usage, "user": body.user, "metadata": body.metadata or {},
