@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -40,11 +40,34 @@ if TYPE_CHECKING:
 log = logging.getLogger("slotserve.requests")
 disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series: dashboards do not use them
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
-                   1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
-               0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)  # fmt: skip
-TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+# vLLM's default buckets (vllm/v1/metrics/buckets.py), so its dashboards' quantiles read alike
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
+PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+# slotserve's own step histogram keeps its finer buckets (a mock step is a few milliseconds)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+                0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)  # fmt: skip
+
+
+def token_buckets(max_model_len: int) -> tuple[int, ...]:
+    """vLLM's buckets for token counts: 1, 2, 5, 10, 20, 50 ... up to ``max_model_len``."""
+    buckets: list[int] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_model_len:
+                return tuple(buckets)
+            buckets.append(value)
+        exponent += 1
+
+
 # Every reason ``EngineMetrics.reject`` is called with (app/serving.py).
 REJECT_REASONS = ("queue_full", "duplicate_id", "draining", "engine_dead", "not_ready")
 
@@ -140,8 +163,12 @@ class KVEventCounters(Collector):
 
 
 class RankedMetrics(Collector):
-    """The metrics of several data-parallel ranks as one set of families, each sample
-    labelled ``engine="<rank>"`` (vLLM's label for an engine core)."""
+    """The metrics of one or several data-parallel ranks as one set of families, each sample
+    labelled ``engine="<rank>"`` (vLLM's label for an engine core, which it always sets: a
+    dashboard filtering on it finds a single engine too). vLLM exports the families in
+    ``UNLABELLED`` without it: so does one rank (several must tell their samples apart)."""
+
+    UNLABELLED = frozenset({"vllm:lora_requests_info", "vllm:admission_rejections"})
 
     def __init__(self, registries: Seq[CollectorRegistry]) -> None:
         self.registries = registries
@@ -154,8 +181,9 @@ class RankedMetrics(Collector):
                 if target is None:
                     target = Metric(family.name, family.documentation, family.type, family.unit)
                     merged[family.name] = target
+                alone = len(self.registries) == 1 and family.name in self.UNLABELLED
                 for sample in family.samples:
-                    labels = {**sample.labels, "engine": str(rank)}
+                    labels = sample.labels if alone else {**sample.labels, "engine": str(rank)}
                     target.add_sample(sample.name, labels, sample.value, sample.timestamp,
                                       sample.exemplar)  # fmt: skip
         yield from merged.values()
@@ -173,19 +201,25 @@ class StepTotals:
 def ranked_registry(ranks: Seq[EngineMetrics]) -> CollectorRegistry:
     """One registry exporting every rank's metrics (``RankedMetrics``)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(RankedMetrics([metrics.registry for metrics in ranks]))
+    registry.register(RankedMetrics([metrics.families for metrics in ranks]))
     return registry
 
 
 class EngineMetrics:
-    """Implements ``EngineObserver``; owns its own registry (one per app, test-friendly)."""
+    """Implements ``EngineObserver``; owns its own registry (one per app, test-friendly):
+    ``families`` holds its metrics, ``registry`` exports them labelled ``engine="0"``.
+    ``max_model_len`` sets the token histograms' last bucket, as vLLM's."""
 
-    def __init__(self, model_name: str, num_slots: int, profile: str | None = None) -> None:
-        self.registry = CollectorRegistry()
+    def __init__(
+        self, model_name: str, num_slots: int, profile: str | None = None,
+        max_model_len: int = 8192,
+    ) -> None:  # fmt: skip
+        self.families = CollectorRegistry()
         self.model_name = model_name
         self.num_slots = num_slots
         labels = {"model_name": model_name}
-        reg, names = self.registry, ["model_name"]
+        reg, names = self.families, ["model_name"]
+        tokens = token_buckets(max_model_len)
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, names, registry=reg)
@@ -235,22 +269,80 @@ class EngineMetrics:
             "slotserve:injected_failures_total", "Failures injected on purpose.", ["type"]
         )  # app/api/faults.py: not model-call failures, not rejections
         self.ttft = histogram(
-            "vllm:time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS
+            "vllm:time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS
         )
         self.e2e = histogram(
-            "vllm:e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS
+            "vllm:e2e_request_latency_seconds", "Arrival to finish.", REQUEST_LATENCY_BUCKETS
         )
         self.queue_time = histogram(
-            "vllm:request_queue_time_seconds", "Arrival to slot admission.", LATENCY_BUCKETS
+            "vllm:request_queue_time_seconds", "Arrival to slot admission.",
+            REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        # a request's time in a slot, split at its first token (prefill, then decode)
+        self.inference_time = histogram(
+            "vllm:request_inference_time_seconds", "Slot admission to finish.",
+            REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds", "Slot admission to first token.",
+            REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.decode_time = histogram(
+            "vllm:request_decode_time_seconds", "First token to finish.", REQUEST_LATENCY_BUCKETS
         )
+        self.tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Per request: first token to finish over the tokens after the first.", ITL_BUCKETS,
+        )  # fmt: skip
         self.prompt_len = histogram(
-            "vllm:request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS
+            "vllm:request_prompt_tokens", "Prompt tokens per request.", tokens
         )
         self.gen_len = histogram(
-            "vllm:request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS
+            "vllm:request_generation_tokens", "Generated tokens per request.", tokens
         )
+        self.prefill_computed = histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Prompt tokens per request that ran (prefix-cache hits not subtracted).", tokens,
+        )  # fmt: skip
+        # each choice of an n > 1 request is a request of its own to the engine: n is 1 here
+        self.params_n = histogram("vllm:request_params_n", "The n parameter.", N_BUCKETS)
+        self.params_max_tokens = histogram(
+            "vllm:request_params_max_tokens", "The max_tokens parameter.", tokens
+        )
+        self.max_generation = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Generated tokens a request may reach (max_tokens).", tokens,
+        )  # fmt: skip
+        self.request_preemptions = histogram(
+            "vllm:request_num_preemptions", "Times a request was preempted.", PREEMPTION_BUCKETS
+        )
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total", "Tokens fed to the model per step.",
+            ITERATION_TOKEN_BUCKETS,
+        )  # fmt: skip
+        self.cached_prompt_tokens = counter(
+            "vllm:prompt_tokens_cached", "Prompt tokens found in the prefix cache."
+        )
+        self.prompt_by_source = counter(
+            "vllm:prompt_tokens_by_source", "Prompt tokens by where their KV came from.",
+            ["source"],
+        )  # fmt: skip
+        self.cached_by_source = counter(
+            "vllm:prompt_tokens_cached_by_source", "Prefix-cache hits by cache tier.", ["source"]
+        )
+        self.admission_rejections = Counter(
+            "vllm:admission_rejections", "Requests refused by a queue limit, by reason.",
+            ["model_name", "reason"], registry=reg,
+        )  # fmt: skip
+        # no multimodal inputs and no KV connector here: vLLM's families for them stay at 0
+        zeros = [counter(name, doc) for name, doc in (
+            ("vllm:mm_cache_queries", "Multimodal cache queries (none: text only)."),
+            ("vllm:mm_cache_hits", "Multimodal cache hits (none: text only)."),
+            ("vllm:external_prefix_cache_queries", "KV-connector cache queries (none here)."),
+            ("vllm:external_prefix_cache_hits", "KV-connector cache hits (none here)."),
+        )]  # fmt: skip
         self.step_duration = histogram(
-            "slotserve:step_duration_seconds", "Decode step wall time.", ITL_BUCKETS
+            "slotserve:step_duration_seconds", "Decode step wall time.", STEP_BUCKETS
         )
         self.itl = WeightedHistogram(
             "vllm:inter_token_latency_seconds", "Gaps between tokens.", ITL_BUCKETS, labels
@@ -264,12 +356,30 @@ class EngineMetrics:
         self._preemptions = self.preemptions.labels(model_name)
         self._prefix_queries = self.prefix_queries.labels(model_name)
         self._prefix_hits = self.prefix_hits.labels(model_name)
+        self._cached_prompt_tokens = self.cached_prompt_tokens.labels(model_name)
+        self._computed_source = self.prompt_by_source.labels(model_name, "local_compute")
+        self._hit_source = self.prompt_by_source.labels(model_name, "local_cache_hit")
+        self._device_hits = self.cached_by_source.labels(model_name, "device")
+        self._iteration_tokens = self.iteration_tokens.labels(model_name)
         # the "key" label is "" without named API keys (a named key's series start at its first use)
         export_at_zero(self.success, *[(model_name, r.value, "") for r in FinishReason])
         export_at_zero(self.rejected, *[(model_name, reason, "") for reason in REJECT_REASONS])
+        export_at_zero(self.prompt_by_source, *[(model_name, source) for source in (
+            "local_compute", "local_cache_hit", "external_kv_transfer")])  # fmt: skip
+        export_at_zero(self.cached_by_source, *[(model_name, source) for source in (
+            "device", "host", "p2p", "disk", "external_unspecified")])  # fmt: skip
+        export_at_zero(self.admission_rejections, (model_name, "max_num_queued_reqs"),
+                       (model_name, "max_num_queued_tokens"))  # fmt: skip
+        export_at_zero(self.cached_prompt_tokens, (model_name,))
+        for zero in zeros:
+            export_at_zero(zero, (model_name,))
         for metric in (self.model_failures, self.ttft, self.e2e, self.queue_time,
-                       self.prompt_len, self.gen_len):  # fmt: skip
+                       self.prompt_len, self.gen_len, self.inference_time, self.prefill_time,
+                       self.decode_time, self.tpot, self.prefill_computed, self.params_n,
+                       self.params_max_tokens, self.max_generation,
+                       self.request_preemptions):  # fmt: skip
             export_at_zero(metric, (model_name,))
+        self.registry = ranked_registry([self])  # this rank alone: engine="0"
 
     def bind(self, core: EngineCore) -> None:
         """Read the gauges from ``core`` at scrape time."""
@@ -279,29 +389,52 @@ class EngineMetrics:
         self.slots_occupied.labels(name).set_function(lambda: core.num_running)
         self.slots_total.labels(name).set(core.config.num_slots)
         self.cache_usage.labels(name).set_function(lambda: books.usage(table.running()))
+        waiting = Gauge(
+            "vllm:num_requests_waiting_by_reason", "Waiting requests by reason (capacity: "
+            "waiting for a slot; deferred: none here).", ["model_name", "reason"],
+            registry=self.families,
+        )  # fmt: skip
+        waiting.labels(name, "capacity").set_function(lambda: core.num_waiting)
+        waiting.labels(name, "deferred").set(0)
         slots = core.scheduler.slots
         self.slots_out_of_service.labels(name).set_function(lambda: len(slots.out_of_service))
-        self.registry.register(ObserverErrors(core, {"model_name": name}))
+        self.families.register(ObserverErrors(core, {"model_name": name}))
         # vLLM's cache description (routers and gateways read the cache's size from its labels;
         # vLLM writes them with str(), hence "True"/"False"); value 1
         info = Gauge(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig.",
-            ["block_size", "num_gpu_blocks", "enable_prefix_caching"], registry=self.registry,
+            ["block_size", "num_gpu_blocks", "enable_prefix_caching"], registry=self.families,
         )  # fmt: skip
         cached = books.prefix_cache is not None
         info.labels(str(books.block_size), str(books.total), str(cached)).set(1)
 
     def watch_loras(self, core: EngineCore, max_loras: int) -> None:
         """Export ``vllm:lora_requests_info`` read from ``core``."""
-        self.registry.register(LoRAInfo(core, max_loras))
+        self.families.register(LoRAInfo(core, max_loras))
 
     def watch_kv_events(self, publisher: KVEventPublisher) -> None:
         """Export ``publisher``'s batch counters."""
-        self.registry.register(KVEventCounters(publisher, {"model_name": self.model_name}))
+        self.families.register(KVEventCounters(publisher, {"model_name": self.model_name}))
+
+    def watch_sleep(self, level: Callable[[], int]) -> None:
+        """Export ``vllm:engine_sleep_state`` read from ``level()`` (0: awake, 1: weights
+        offloaded, 2: all discarded), one series per state set to 1 or 0."""
+        gauge = Gauge(
+            "vllm:engine_sleep_state", "Sleep state: awake, weights_offloaded (level 1) or "
+            "discard_all (level 2), the current one 1.", ["model_name", "sleep_state"],
+            registry=self.families,
+        )  # fmt: skip
+        for number, state in enumerate(("awake", "weights_offloaded", "discard_all")):
+            gauge.labels(self.model_name, state).set_function(
+                lambda number=number: float(level() == number)  # type: ignore[misc]
+            )
 
     def reject(self, reason: str, key: str = "") -> None:
-        """A request refused before queueing; ``key`` is its API key's name ("" without keys)."""
+        """A request refused before queueing; ``key`` is its API key's name ("" without keys).
+        A full queue is vLLM's ``max_num_queued_reqs`` admission rejection too."""
         self.rejected.labels(self.model_name, reason, key).inc()
+        if reason == "queue_full":
+            self.admission_rejections.labels(self.model_name, "max_num_queued_reqs").inc()
 
     def attribute(self, request_id: str, key: str) -> None:
         """Label the live request ``request_id``'s counters with API key name ``key``."""
@@ -319,12 +452,19 @@ class EngineMetrics:
         self.totals.steps += 1
         self.totals.step_seconds += ended - out.started_at
         if out.admitted:
-            self._prompt_tokens.inc(sum(seq.prompt_len for seq in out.admitted))
+            admitted = sum(seq.prompt_len for seq in out.admitted)
+            self._prompt_tokens.inc(admitted)
+            hits = min(out.prefix_hits, admitted)  # hits of resumed requests aside
+            self._computed_source.inc(admitted - hits)
+            self._hit_source.inc(hits)
         if out.preempted:
             self._preemptions.inc(len(out.preempted))
         if out.prefix_queries:
             self._prefix_queries.inc(out.prefix_queries)
             self._prefix_hits.inc(out.prefix_hits)
+            self._cached_prompt_tokens.inc(out.prefix_hits)
+            self._device_hits.inc(out.prefix_hits)
+        self._iteration_tokens.observe(out.num_prefill_tokens + len(out.decode_seqs))
         if outcome.error is not None:
             self.model_failures.labels(self.model_name).inc()
             self._last_step_end = None
@@ -350,9 +490,29 @@ class EngineMetrics:
         ttft = None if times.first_token is None else times.first_token - times.arrival
         if ttft is not None:
             self.ttft.labels(name).observe(ttft)
+        self._observe_phases(seq, end)
         log.info(
             "request=%s key=%s prompt_tokens=%d generated_tokens=%d finish_reason=%s "
             "queue_s=%.4f ttft_s=%s total_s=%.4f",
             seq.request_id, key or "-", seq.prompt_len, seq.num_generated, reason, queue,
             "-" if ttft is None else f"{ttft:.4f}", end - times.arrival,
         )  # fmt: skip
+
+    def _observe_phases(self, seq: Sequence, end: float) -> None:
+        """vLLM's per-request histograms beyond latency: its time in a slot (prefill, decode),
+        time per output token, parameters, preemptions and the prompt tokens it computed."""
+        name, times = self.model_name, seq.times
+        for metric, value in ((self.params_n, 1), (self.params_max_tokens, seq.max_tokens),
+                              (self.max_generation, seq.max_tokens),
+                              (self.request_preemptions, seq.num_preemptions)):  # fmt: skip
+            metric.labels(name).observe(value)
+        if times.admitted is None:  # refused or aborted while waiting: it never ran
+            return
+        self.inference_time.labels(name).observe(end - times.admitted)
+        self.prefill_computed.labels(name).observe(seq.prompt_len)
+        if times.first_token is None:
+            return
+        self.prefill_time.labels(name).observe(times.first_token - times.admitted)
+        self.decode_time.labels(name).observe(end - times.first_token)
+        if seq.num_generated > 1:
+            self.tpot.labels(name).observe((end - times.first_token) / (seq.num_generated - 1))

@@ -263,9 +263,7 @@ class Serving:
 
         self._real = model is None and wants_real_model(settings)
         self.settings = named(settings) if self._real else settings
-        self.metrics = EngineMetrics(
-            self.settings.model_name, self.settings.num_slots, self.settings.profile
-        )
+        self.metrics = self._new_metrics()
         self.started_at = time.time()
         self.priority_limits = settings.priority_limits()
         self.api_keys = settings.api_keys()
@@ -295,10 +293,7 @@ class Serving:
                 "model)"
             )
         # per rank: its metrics (labelled engine=<rank> on /metrics) and KV-event publisher
-        self.rank_metrics = [self.metrics] + [
-            EngineMetrics(self.settings.model_name, self.settings.num_slots, self.settings.profile)
-            for _ in range(1, ranks)
-        ]
+        self.rank_metrics = [self.metrics] + [self._new_metrics() for _ in range(1, ranks)]
         self.metrics_registry = (
             self.metrics.registry if ranks == 1 else ranked_registry(self.rank_metrics)
         )
@@ -459,6 +454,14 @@ class Serving:
         for publisher in self.rank_events:
             if publisher is not None:
                 await asyncio.to_thread(publisher.close)
+
+    def _new_metrics(self) -> EngineMetrics:
+        """One rank's metrics (vLLM's families; token buckets up to the context length)."""
+        settings = self.settings
+        metrics = EngineMetrics(settings.model_name, settings.num_slots, settings.profile,
+                                settings.max_model_len)  # fmt: skip
+        metrics.watch_sleep(lambda: self.sleep_level)
+        return metrics
 
     def submit(self, params: GenerationParams, id_prefix: str = "gen") -> RequestStream:
         """Validate ``params`` against the model and queue the request: ``prepare`` then

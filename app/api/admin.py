@@ -1,4 +1,4 @@
-"""Operational routes: ``/health``, ``/metrics`` (Prometheus) and ``/slots``."""
+"""Operational routes: ``/health``, ``/version``, ``/metrics`` (Prometheus) and ``/slots``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.api.deps import KeyNameDep, ServingDep
 from app.api.errors import Unavailable, documented, not_serving, response_for
+from app.version import version
 
 router = APIRouter(tags=["operations"])
 
@@ -27,6 +28,12 @@ async def health(serving: ServingDep) -> Response:
         return JSONResponse({"status": "ok"})
     err = not_serving(state)
     return response_for(err, {"status": state})
+
+
+@router.get("/version")
+async def server_version() -> dict[str, str]:
+    """``{"version": ...}``, as vLLM answers it (slotserve's version here)."""
+    return {"version": version()}
 
 
 @router.get("/metrics")

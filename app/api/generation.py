@@ -86,6 +86,7 @@ class Piece:
     tokens: list[int]
     logprobs: list[Logprobs | None] | None = None
     index: int = 0  # the choice it belongs to
+    stop: str | None = None  # the stop string that ended the choice (vLLM's stop_reason)
 
 
 @dataclass(slots=True)
@@ -301,7 +302,9 @@ async def texts(run: Run, serving: Serving, choice: Choice) -> AsyncIterator[Pie
             text = aligned.take(matcher, delta.tokens, delta.logprobs)
             tokens, entries = aligned.release()
         if matcher.hit:
-            yield _seen(choice, Piece(text, FinishReason.STOP.value, tokens, entries, choice.index))
+            piece = Piece(text, FinishReason.STOP.value, tokens, entries, choice.index,
+                          matcher.matched)  # fmt: skip
+            yield _seen(choice, piece)
             return
         if delta.finish_reason is FinishReason.ERROR:
             raise ModelFailed(generation_failed(choice.stream.view.error, run.grammar_param))

@@ -125,11 +125,13 @@ def prompt_logprobs(
         if entry is None:
             out.append(None)
             continue
-        found = {str(t): _prompt_entry(lp, text(t)) for t, lp in entry.top}
-        found.setdefault(str(token), _prompt_entry(entry.logprob, text(token)))
+        found = {str(t): _prompt_entry(lp, rank, text(t)) for rank, (t, lp) in
+                 enumerate(entry.top, start=1)}  # fmt: skip
+        found.setdefault(str(token), _prompt_entry(entry.logprob, entry.rank, text(token)))
         out.append(found)
     return out
 
 
-def _prompt_entry(logprob: float, token: str) -> dict[str, Any]:
-    return {"logprob": _value(logprob), "decoded_token": token}
+def _prompt_entry(logprob: float, rank: int | None, token: str) -> dict[str, Any]:
+    """One token's entry: vLLM's ``rank`` is its place by probability (1: the most likely)."""
+    return {"logprob": _value(logprob), "rank": rank, "decoded_token": token}

@@ -21,20 +21,27 @@ from app.api.tools import ARGUMENT_FRAGMENT, ToolPlan, call_json, chat_prompt, t
 from app.serving import Serving
 from app.structured.constraint import Constraint
 from app.structured.tools import ToolMode
+from app.version import version
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 DONE = b"data: [DONE]\n\n"
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+GREEDY_BELOW = 1e-5  # a temperature below it samples greedily (vLLM's threshold)
+FINGERPRINT = f"slotserve-{version()}"  # system_fingerprint: the server and its version
 
 
 @router.get("/models")
 async def list_models(serving: ServingDep) -> dict[str, Any]:
+    created, name = int(serving.started_at), serving.settings.model_name
     model = {
-        "id": serving.settings.model_name,
+        "id": name,
         "object": "model",
-        "created": int(serving.started_at),
+        "created": created,
         "owned_by": "slotserve",
+        "root": name,  # vLLM's: the model's path, which we keep to ourselves (as an adapter's)
+        "parent": None,
         "max_model_len": serving.settings.max_model_len,
+        "permission": [_permission(created)],  # vLLM's field, from OpenAI's former API
         "profile": serving.settings.profile,  # the GPU the step clock imitates (null: none)
     }
     # an adapter's root is its name: vLLM shows its local path there, which tells any caller
@@ -45,6 +52,14 @@ async def list_models(serving: ServingDep) -> dict[str, Any]:
         for a in serving.loras.adapters.values()
     ]  # fmt: skip
     return {"object": "list", "data": [model, *adapters]}
+
+
+def _permission(created: int) -> dict[str, Any]:
+    """The one ``permission`` entry vLLM lists per model: sampling and logprobs allowed."""
+    return {"id": f"modelperm-{created:x}", "object": "model_permission", "created": created,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+            "organization": "*", "group": None, "is_blocking": False}  # fmt: skip
 
 
 @router.post("/completions", responses=ERROR_RESPONSES)
@@ -134,6 +149,7 @@ def _internal(
                            "unset (functions/function_call: use tools/tool_choice; guided_*: use "
                            "structured_outputs)",
                            param=unsupported, code="unsupported_parameter")  # fmt: skip
+    _as_vllm_refuses(body, max_tokens)
     n = _choices(body, serving)
     reply_bounds.check(serving, [len(p) for p in prompts], max_tokens, _logprob_ask(body, n))
     grammar, param = constraint
@@ -145,6 +161,21 @@ def _internal(
         user=body.user, model=body.model, stream=bool(body.stream), id_prefix=prefix,
         constraint=grammar, constraint_param=param, tools=plan,
     )  # fmt: skip
+
+
+def _as_vllm_refuses(body: OpenAIParams, max_tokens: int | None) -> None:
+    """The requests vLLM answers with a 400 that this server could serve: refused alike, since
+    it stands in for vLLM (a client tested against it meets the same answers)."""
+    echo = isinstance(body, CompletionRequest) and bool(body.echo)
+    if max_tokens is not None and max_tokens < 1 and not echo:  # echo alone scores a prompt
+        raise InvalidField(f"max_tokens must be at least 1, got {max_tokens}",
+                           param="max_tokens", code="invalid_value")  # fmt: skip
+    if (body.n or 1) > 1 and body.temperature is not None and body.temperature < GREEDY_BELOW:
+        raise InvalidField(f"n must be 1 when using greedy sampling, got {body.n}", param="n",
+                           code="invalid_value")  # fmt: skip
+    if body.stream_options is not None and not body.stream:
+        raise InvalidField("stream_options can only be set when stream is true",
+                           param="stream_options", code="invalid_value")  # fmt: skip
 
 
 def _choices(body: OpenAIParams, serving: Serving) -> int:
@@ -188,13 +219,16 @@ async def _respond(
 def _piece(outcome: Outcome) -> Piece:
     """A choice's whole reply as one piece."""
     return Piece(outcome.text, outcome.finish_reason, outcome.tokens, outcome.logprobs,
-                 outcome.index)  # fmt: skip
+                 outcome.index, outcome.stop_sequence)  # fmt: skip
 
 
 class Shape:
     """How one route lays out its response objects: the whole reply, or its stream (an
     ``EventShaper``: chunks, the usage chunk when ``stream_options.include_usage`` asks, then
-    ``[DONE]``; a failed choice ends the stream with an error object and no ``[DONE]``)."""
+    ``[DONE]``; a failed choice ends the stream with an error object and no ``[DONE]``).
+    ``system_fingerprint`` (vLLM's, naming the server's version) is on a whole reply, and in a
+    stream on the last chunk: the usage chunk when one is asked for, else the chunk that ends a
+    choice."""
 
     object_whole = ""
     object_chunk = ""
@@ -216,7 +250,8 @@ class Shape:
 
     def whole(self, outcomes: list[Outcome]) -> dict[str, Any]:
         choices = [self.choice(outcome) for outcome in outcomes]
-        return self.envelope(self.object_whole, choices) | {"usage": self.usage()}
+        return self.envelope(self.object_whole, choices) | {
+            "system_fingerprint": FINGERPRINT, "usage": self.usage()}  # fmt: skip
 
     def choice(self, outcome: Outcome) -> dict[str, Any]:
         return self.rendered(_piece(outcome))
@@ -225,7 +260,15 @@ class Shape:
         """The stream chunks for one piece of the reply."""
         if not (piece.text or piece.reason or (piece.tokens and self.run.top is not None)):
             return []
-        return [self.envelope(self.object_chunk, [self.delta(piece)])]
+        return [self.chunk([self.delta(piece)], piece.reason)]
+
+    def chunk(self, choices: list[Any], end: str | None) -> dict[str, Any]:
+        """A stream chunk; the one that ends a choice names the server when no usage chunk
+        comes after it."""
+        out = self.envelope(self.object_chunk, choices)
+        if end is not None and not self.include_usage:
+            out["system_fingerprint"] = FINGERPRINT
+        return out
 
     def opening(self) -> Iterable[bytes]:
         return ()
@@ -235,7 +278,8 @@ class Shape:
 
     def ending(self, outcomes: list[Outcome]) -> Iterable[bytes]:
         if self.include_usage:
-            yield sse_event(None, self.envelope(self.object_chunk, []) | {"usage": self.usage()})
+            usage = {"usage": self.usage(), "system_fingerprint": FINGERPRINT}
+            yield sse_event(None, self.envelope(self.object_chunk, []) | usage)
         yield DONE
 
     def failure(self, error: APIError) -> Iterable[bytes]:
@@ -273,13 +317,14 @@ class CompletionShape(Shape):
             prompt_entries = view.prompt_logprobs or [None] * len(prompt)
             logprobs = None if piece.logprobs is None else [*prompt_entries, *piece.logprobs]
             text = self.text.decode(prompt)
-            piece = Piece(text + piece.text, piece.reason, [*prompt, *piece.tokens], logprobs)
+            piece = Piece(text + piece.text, piece.reason, [*prompt, *piece.tokens], logprobs,
+                          index, piece.stop)  # fmt: skip
         rendered, renderer = None, self.logprobs[index]
         if renderer is not None:
             entries = piece.logprobs or [None] * len(piece.tokens)
             rendered = renderer.render(piece.tokens, entries)
         out = {"index": index, "text": piece.text, "finish_reason": piece.reason,
-               "logprobs": rendered}  # fmt: skip
+               "stop_reason": piece.stop, "logprobs": rendered}  # fmt: skip
         if first and view.prompt_logprobs is not None:
             out["prompt_logprobs"] = prompt_logprobs(view.prompt, view.prompt_logprobs, self.text)
         return out
@@ -303,12 +348,15 @@ class ChatShape(Shape):
     def rendered(self, piece: Piece) -> dict[str, Any]:
         message = {"role": "assistant", "content": piece.text}
         return {"index": piece.index, "message": message, "finish_reason": piece.reason,
-                "logprobs": self._logprobs(piece)}  # fmt: skip
+                "stop_reason": piece.stop, "logprobs": self._logprobs(piece)}  # fmt: skip
 
     def delta(self, piece: Piece) -> dict[str, Any]:
         content = {"content": piece.text} if piece.text else {}
-        return {"index": piece.index, "delta": content, "finish_reason": piece.reason,
-                "logprobs": self._logprobs(piece)}  # fmt: skip
+        out = {"index": piece.index, "delta": content, "finish_reason": piece.reason,
+               "logprobs": self._logprobs(piece)}  # fmt: skip
+        if piece.stop is not None:  # vLLM's, on the chunk a stop string ends
+            out["stop_reason"] = piece.stop
+        return out
 
     def whole(self, outcomes: list[Outcome]) -> dict[str, Any]:
         out = super().whole(outcomes)
@@ -345,6 +393,7 @@ class ToolChatShape(ChatShape):
         message = {"role": "assistant", "content": outcome.text or None, "tool_calls": listed}
         return {"index": outcome.index, "message": message,
                 "finish_reason": "stop" if self.named else "tool_calls",
+                "stop_reason": outcome.stop_sequence,
                 "logprobs": self._logprobs(_piece(outcome))}  # fmt: skip
 
     def chunks(self, piece: Piece, parts: list[Part]) -> list[dict[str, Any]]:
@@ -361,7 +410,7 @@ class ToolChatShape(ChatShape):
             choice = {"index": piece.index, "delta": delta, "finish_reason": end,
                       "logprobs": logprobs}  # fmt: skip
             logprobs = None  # once per piece
-            out.append(self.envelope(self.object_chunk, [choice]))
+            out.append(self.chunk([choice], end))
         return out
 
     def _deltas(self, part: Part) -> list[dict[str, Any]]:

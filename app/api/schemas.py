@@ -275,10 +275,17 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    # any role the chat template may know, as vLLM accepts ("system", "user", "assistant",
+    # "tool", "developer" have a meaning here); a word, so no role can forge template markup
+    role: Annotated[StrictStr, Field(pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")]
     content: Text | list[ContentPart] | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's calls (app/api/tools.py)
     tool_call_id: StrictStr | None = None  # a tool message: the call it answers
+
+    def template_role(self) -> str:
+        """The role the chat template sees: a ``developer`` message is a system one, as vLLM
+        renders it (SmolLM2's template would otherwise add its default system prompt too)."""
+        return "system" if self.role == "developer" else self.role
 
     def text(self) -> str:
         if self.content is None:

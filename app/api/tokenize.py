@@ -2,8 +2,10 @@
 
 - ``/tokenize``: a ``prompt`` (text, encoded as a completion prompt is) or chat ``messages``
   (through the model's chat template, the assistant's turn opened as for a chat completion);
-  answers ``{"count", "max_model_len", "tokens", "token_strs"}`` (``token_strs``: each token's
-  text, with ``return_token_strs: true``; else null).
+  answers ``{"count", "max_model_len", "tokens", "token_strs"}`` (``token_strs``: each token as
+  the vocabulary spells it, ``"Ġcapital"``, as vLLM returns them; a tokenizer without a
+  vocabulary of strings, the mock's bytes, gives each token's text; with
+  ``return_token_strs: true``, else null).
 - ``/detokenize``: ``tokens`` -> ``{"prompt": text}``; an id outside the vocabulary is a 400.
 
 ``model``, when given, must be the served model (404 otherwise), as on the OpenAI routes.
@@ -31,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from app.api.deps import ServingDep
 from app.api.errors import ERROR_RESPONSES, InvalidField, model_not_found
 from app.api.schemas import ChatMessage, Text, TokenId
+from app.models.tokenizer import Tokenizer
 from app.serving import Serving
 
 router = APIRouter(tags=["tokenizer"])
@@ -85,10 +88,10 @@ async def tokenize(body: TokenizeRequest, serving: ServingDep) -> Response:
 
     def answer() -> dict[str, Any]:
         if body.messages is not None:
-            tokens = tokenizer.chat_prompt([(m.role, m.text()) for m in body.messages])
+            tokens = tokenizer.chat_prompt([(m.template_role(), m.text()) for m in body.messages])
         else:
             tokens = tokenizer.encode(body.prompt or "")
-        strs = [tokenizer.decode([t]) for t in tokens] if body.return_token_strs else None
+        strs = _spelling(tokenizer, tokens) if body.return_token_strs else None
         return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens,
                 "token_strs": strs}  # fmt: skip
 
@@ -106,6 +109,12 @@ async def detokenize(body: DetokenizeRequest, serving: ServingDep) -> Response:
         raise InvalidField(f"token id {bad} is outside the vocabulary [0, {vocab})",
                            param="tokens", code="invalid_token_id")  # fmt: skip
     return await off_the_loop(lambda: {"prompt": tokenizer.decode(body.tokens)})
+
+
+def _spelling(tokenizer: Tokenizer, tokens: list[int]) -> list[str]:
+    """``tokens`` as the vocabulary spells them (a tokenizer with ``spell``), else their text."""
+    spell: Callable[[list[int]], list[str]] | None = getattr(tokenizer, "spell", None)
+    return spell(tokens) if spell is not None else [tokenizer.decode([t]) for t in tokens]
 
 
 def _only(value: bool | None, default: bool, param: str) -> None:

@@ -138,7 +138,7 @@ def chat_prompt(messages: list[ChatMessage], plan: ToolPlan | None, serving: Ser
         dicts = [_template_message(m) for m in messages]
         ids: list[int] = tokenizer.chat_prompt_with_tools(dicts, tools)  # type: ignore[attr-defined]
         return ids
-    pairs = [(m.role, _default_text(m)) for m in messages]
+    pairs = [(m.template_role(), _default_text(m)) for m in messages]
     if plan is not None:
         offer = tools_prompt(plan.tools, plan.choice)
         if pairs and pairs[0][0] == "system":
@@ -157,7 +157,7 @@ def _default_text(message: ChatMessage) -> str:
 
 
 def _template_message(message: ChatMessage) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": message.role, "content": message.text()}
+    out: dict[str, Any] = {"role": message.template_role(), "content": message.text()}
     if message.tool_calls:
         out["tool_calls"] = [
             {"id": c.id, "type": "function",

@@ -10,8 +10,8 @@ from app.models.tokenizer import StreamDecoder
 
 
 class StopStringMatcher:
-    """Feed decoded text; get back the text safe to emit and whether a stop string was hit.
-    After a hit, the emitted text ends right before the stop string.
+    """Feed decoded text; get back the text safe to emit and whether a stop string was hit
+    (``matched``: which one). After a hit, the emitted text ends right before the stop string.
 
     With ``min_tokens``, ``feed_tokens`` decodes the first ``min_tokens - 1`` tokens one by one
     and never searches their text, so a stop string can end the request only from its
@@ -24,7 +24,7 @@ class StopStringMatcher:
         self._pending = ""
         self._unsearched = max(min_tokens - 1, 0)  # tokens whose text is never searched
         self.hit = False
-        self.matched: str | None = None  # the stop string hit (the first listed, at the cut)
+        self.matched: str | None = None  # the stop string hit (the earliest in the text)
 
     def feed_tokens(self, decoder: StreamDecoder, tokens: list[int]) -> str:
         """Decode ``tokens`` with ``decoder`` and ``feed`` the text (see ``min_tokens``)."""
@@ -41,10 +41,10 @@ class StopStringMatcher:
         if self.hit:
             return ""
         buffer = self._pending + text
-        cut = min((i for s in self.stops if (i := buffer.find(s)) >= 0), default=-1)
+        found = [(i, s) for s in self.stops if (i := buffer.find(s)) >= 0]
+        cut = min(found)[0] if found else -1
         if cut >= 0:
-            self.hit = True
-            self.matched = next(s for s in self.stops if buffer.startswith(s, cut))
+            self.hit, self.matched = True, min(found)[1]
             self._pending = ""
             return buffer[:cut]
         safe = len(buffer) - self._hold

@@ -64,7 +64,7 @@ def synthetic(chosen: int, token: int, top: int, vocab: int) -> Logprobs:
     ``top`` most likely tokens of that distribution."""
     rank = (token - chosen) % vocab
     alternatives = tuple(((chosen + i) % vocab, -(i + 1) * LN2) for i in range(min(top, vocab)))
-    return Logprobs(token, -(rank + 1) * LN2, alternatives)
+    return Logprobs(token, -(rank + 1) * LN2, alternatives, rank + 1)
 
 
 def prompt_logprobs(

@@ -131,11 +131,14 @@ class SampledRow(TokenHistory, Protocol):
 @dataclass(frozen=True, slots=True)
 class Logprobs:
     """The log-probability of one token (sampled, or a prompt token) and the ``top`` most
-    likely tokens at its position, most likely first, as (token id, log-probability)."""
+    likely tokens at its position, most likely first, as (token id, log-probability).
+    ``rank``: the token's place in the vocabulary by probability (1: the most likely; None:
+    not computed), vLLM's ``rank`` of a prompt log-probability."""
 
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -293,6 +293,6 @@ async def test_a_reader_that_stops_reading_is_cancelled_after_the_send_timeout(
         assert serving.engine.core.live == {}  # aborted: its slot is free
         text = (await client.get("/metrics")).text
         assert (
-            'vllm:request_success_total{finished_reason="abort",key="",'
+            'vllm:request_success_total{engine="0",finished_reason="abort",key="",'
             'model_name="slotserve-mock"} 1.0' in text
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from conftest import ClientFactory, serving_of
 
 from app.serving import GenerationParams
+from app.version import version
 
 
 async def test_health_is_200_while_serving_and_503_once_draining(
@@ -19,6 +20,13 @@ async def test_health_is_200_while_serving_and_503_once_draining(
         assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
 
 
+async def test_version_answers_as_vllm_does(make_client: ClientFactory) -> None:
+    """vLLM's GET /version: a client or router probing it gets 200 and a version string."""
+    async with make_client() as client:
+        r = await client.get("/version")
+        assert r.status_code == 200 and r.json() == {"version": version()}
+
+
 async def test_metrics_use_vllm_names_and_count_requests(make_client: ClientFactory) -> None:
     async with make_client(model_name="m") as client:
         for _ in range(3):
@@ -28,10 +36,11 @@ async def test_metrics_use_vllm_names_and_count_requests(make_client: ClientFact
             )
         text = (await client.get("/metrics")).text
         assert (
-            'vllm:request_success_total{finished_reason="length",key="",model_name="m"} 3.0' in text
+            'vllm:request_success_total{engine="0",finished_reason="length",key="",'
+            'model_name="m"} 3.0' in text
         )
-        assert 'vllm:generation_tokens_total{model_name="m"} 15.0' in text
-        assert 'vllm:prompt_tokens_total{model_name="m"} 6.0' in text
+        assert 'vllm:generation_tokens_total{engine="0",model_name="m"} 15.0' in text
+        assert 'vllm:prompt_tokens_total{engine="0",model_name="m"} 6.0' in text
         for name in (
             "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
             "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
@@ -40,7 +49,7 @@ async def test_metrics_use_vllm_names_and_count_requests(make_client: ClientFact
         ):  # fmt: skip
             assert name in text, name
         # 3 requests x 4 gaps between their 5 tokens
-        assert 'vllm:inter_token_latency_seconds_count{model_name="m"} 12.0' in text
+        assert 'vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} 12.0' in text
 
 
 async def test_gauges_are_fresh_right_after_aborts(make_client: ClientFactory) -> None:
@@ -56,10 +65,10 @@ async def test_gauges_are_fresh_right_after_aborts(make_client: ClientFactory) -
         for stream in streams:
             await stream.collect()
         text = (await client.get("/metrics")).text
-        assert 'vllm:num_requests_running{model_name="slotserve-mock"} 0.0' in text
-        assert 'vllm:num_requests_waiting{model_name="slotserve-mock"} 0.0' in text
+        assert 'vllm:num_requests_running{engine="0",model_name="slotserve-mock"} 0.0' in text
+        assert 'vllm:num_requests_waiting{engine="0",model_name="slotserve-mock"} 0.0' in text
         assert (
-            'vllm:request_success_total{finished_reason="abort",key="",'
+            'vllm:request_success_total{engine="0",finished_reason="abort",key="",'
             'model_name="slotserve-mock"} 4.0' in text
         )
 

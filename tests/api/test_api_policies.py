@@ -110,7 +110,7 @@ async def test_a_better_priority_preempts_and_the_preempted_request_loses_nothin
     prompt = list(b"slow ")
     assert done["tokens"] == run_alone(MockModel(language), prompt, 60, 256, False)
     assert [t for e in low_events[:-1] for t in e.data["tokens"]] == done["tokens"]
-    assert 'vllm:num_preemptions_total{model_name="slotserve-mock"} 1.0' in metrics
+    assert 'vllm:num_preemptions_total{engine="0",model_name="slotserve-mock"} 1.0' in metrics
 
 
 def test_max_priority_for_bounds_the_priority_a_named_key_may_claim() -> None:
@@ -158,4 +158,4 @@ def test_a_real_server_serves_a_better_priority_first_when_every_slot_is_busy() 
         metrics = client.get("/metrics").text
     assert urgent.status_code == 200 and urgent.json()["finish_reason"] == "length"
     assert all(urgent_done < t for t in results)  # it did not wait for a long one to end
-    assert 'vllm:num_preemptions_total{model_name="slotserve-mock"} 1.0' in metrics
+    assert 'vllm:num_preemptions_total{engine="0",model_name="slotserve-mock"} 1.0' in metrics

@@ -22,6 +22,22 @@ async def test_tokenize_a_prompt_and_a_chat_as_the_generation_routes_do(
         assert text == {"prompt": "user: hi\nassistant: "}
 
 
+async def test_a_developer_message_is_rendered_as_a_system_one(make_client: ClientFactory) -> None:
+    """vLLM gives the chat template a developer message as a system one (a template that adds
+    its default system prompt when the first message is not one then adds none)."""
+    chats = [[{"role": role, "content": "be terse"}, *MESSAGES] for role in ("developer", "system")]
+    async with make_client() as client:
+        developer, system = [
+            (
+                await client.post("/v1/chat/completions", json={"messages": chat, "max_tokens": 1})
+            ).json()["usage"]["prompt_tokens"]
+            for chat in chats
+        ]
+        tokens = [(await client.post("/tokenize", json={"messages": c})).json()["tokens"]
+                  for c in chats]  # fmt: skip
+    assert developer == system and tokens[0] == tokens[1]
+
+
 async def test_tokenizer_routes_refuse_bad_input(make_client: ClientFactory) -> None:
     async with make_client() as client:
         r = await client.post("/detokenize", json={"tokens": [1, 257]})

@@ -36,7 +36,9 @@ def test_n_times_prompt_logprobs_is_refused_before_admission(server: ServerProce
         assert isinstance(error, dict) and error["code"] == "too_many_logprobs"
         assert error["param"] == "prompt_logprobs" and "n (16)" in error["message"]
     metrics = httpx.get(server.url + "/metrics").text
-    assert 'vllm:prompt_tokens_total{model_name="slotserve-mock"} 0.0' in metrics  # not admitted
+    assert (
+        'vllm:prompt_tokens_total{engine="0",model_name="slotserve-mock"} 0.0' in metrics
+    )  # not admitted
 
 
 async def test_chat_top_logprobs_times_n_is_refused(make_client: ClientFactory) -> None:

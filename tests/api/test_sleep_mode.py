@@ -55,7 +55,7 @@ async def test_sleep_refuses_generation_until_every_part_is_awake(
         assert (await client.post("/wake_up")).status_code == 200
         assert (await client.get("/health")).status_code == 200
         metrics = (await client.get("/metrics")).text
-        labels = 'key="",model_name="slotserve-mock",reason="not_ready"'
+        labels = 'engine="0",key="",model_name="slotserve-mock",reason="not_ready"'
         assert f"slotserve:requests_rejected_total{{{labels}}} 2.0" in metrics
 
 
@@ -133,7 +133,7 @@ def test_a_real_server_clears_its_kv_events_books_on_sleep(tmp_path: Path) -> No
             assert isinstance(events[-1], Recent.AllBlocksCleared)
             metrics = httpx.get(server.url + "/metrics").text
             assert (
-                'slotserve:kv_events_batches_total{model_name="slotserve-mock",outcome="published"}'
+                'slotserve:kv_events_batches_total{engine="0",model_name="slotserve-mock",outcome="published"}'
                 in metrics
             )
         finally:

@@ -121,7 +121,7 @@ async def test_monitoring_labelled_counters_are_exported_at_zero_before_any_requ
         "vllm:request_queue_time_seconds", "vllm:inter_token_latency_seconds",
     )]  # fmt: skip
     for name, labels in expected:
-        key = (name, tuple(sorted({"model_name": "m", **labels}.items())))
+        key = (name, tuple(sorted({"engine": "0", "model_name": "m", **labels}.items())))
         assert samples.get(key) == 0.0, f"{name}{labels} is not exported at 0"
 
 

@@ -138,6 +138,9 @@ async def test_echo_logprobs_equal_transformers_and_greedy_logprobs_are_the_top(
     for position, entry in enumerate(generated["prompt_logprobs"][1:], 1):
         want_value = float(want[position - 1, prompt[position]])
         assert entry[str(prompt[position])]["logprob"] == pytest.approx(want_value)
+        # vLLM's rank: 1 + the tokens the model found more likely there
+        want_rank = int((want[position - 1] > want[position - 1, prompt[position]]).sum()) + 1
+        assert entry[str(prompt[position])]["rank"] == want_rank
     lp = generated["logprobs"]
     first = int(want[-1].argmax())
     assert lp["token_logprobs"][0] == pytest.approx(float(want[-1, first]))

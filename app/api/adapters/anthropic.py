@@ -237,7 +237,8 @@ class MessageEvents(generation.PartShaper):
     def closing(self, outcome: generation.Outcome) -> Iterable[bytes]:
         yield from self._stop()
         delta = {"stop_reason": stop_reason(outcome), "stop_sequence": outcome.stop_sequence}
-        usage = {"output_tokens": outcome.completion_tokens}
+        # the cumulative usage, input tokens too, as vLLM and Anthropic's current API send it
+        usage = {"input_tokens": outcome.prompt_tokens, "output_tokens": outcome.completion_tokens}
         yield _event("message_delta", {"delta": delta, "usage": usage})
         yield _event("message_stop", {})
 

@@ -7,12 +7,13 @@ after the stored conversation of ``previous_response_id`` if given, become one
 its ``sequence_number`` (``response.created``, ``response.in_progress``,
 ``response.output_item.added``, ``response.content_part.added``, ``response.output_text.delta``
 ..., ``response.output_text.done``, ``response.content_part.done``,
-``response.output_item.done``, then ``response.completed``, ``response.incomplete`` or, when a
-model call fails, ``response.failed``). ``background: true`` answers at once (status
-``queued``) and generates detached from the connection; ``cancel`` aborts it (its slot is free
-before the next step). Stored responses live in ``responses_store``. Status: ``completed``
-(end of sequence), ``incomplete`` (``max_output_tokens``), ``cancelled`` (cancelled, or ended
-early by the server), ``failed``.
+``response.output_item.done``, then ``response.completed`` (whatever the status: an incomplete
+or cancelled response too, as vLLM ends it and as the openai SDK's ``responses.stream()`` helper
+needs) or, when a model call fails, ``response.failed``). ``background: true`` answers at
+once (status ``queued``) and generates detached from the connection; ``cancel`` aborts it (its
+slot is free before the next step). Stored responses live in ``responses_store``. Status:
+``completed`` (end of sequence), ``incomplete`` (``max_output_tokens``), ``cancelled``
+(cancelled, or ended early by the server), ``failed``.
 """
 
 from __future__ import annotations
@@ -361,8 +362,11 @@ class ResponseShape:
             "model": self.model, "output": output or [],
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,
-            "temperature": body.temperature, "top_p": body.top_p,
-            "tool_choice": _dumped(body.tool_choice) or "auto",
+            # vLLM's echo of the sampling it applied: 1.0 and 0.0 when unset, no tools: "none"
+            "temperature": body.temperature, "top_p": 1.0 if body.top_p is None else body.top_p,
+            "presence_penalty": body.presence_penalty or 0.0,
+            "frequency_penalty": body.frequency_penalty or 0.0, "service_tier": "auto",
+            "tool_choice": _dumped(body.tool_choice) or ("auto" if body.tools else "none"),
             "tools": [tool.model_dump(exclude_none=True) for tool in body.tools],
             "text": {"format": fmt or {"type": "text"}}, "truncation": "disabled",
             "usage": usage, "user": body.user, "metadata": body.metadata or {},
@@ -516,8 +520,7 @@ class ResponseEvents(generation.PartShaper):
         yield from self._close("completed" if final["status"] == "completed" else "incomplete")
         self.keep(final, outcome)
         self.kept = True
-        terminal = "response.completed" if final["status"] == "completed" else "response.incomplete"
-        yield self._event(terminal, response=final)
+        yield self._event("response.completed", response=final)  # its status says how it ended
 
     def failure(self, error: APIError) -> Iterable[bytes]:
         final = self.shape.failed(error)

@@ -20,7 +20,9 @@ def entries(logits: torch.Tensor, targets: Sequence[int], tops: Sequence[int]) -
         return []
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     index = torch.tensor(list(targets), device=logits.device).unsqueeze(1)
-    chosen = logprobs.gather(1, index).squeeze(1).tolist()
+    gathered = logprobs.gather(1, index)
+    chosen = gathered.squeeze(1).tolist()
+    ranks = ((logprobs > gathered).sum(dim=1) + 1).tolist()  # 1 + the tokens more likely
     k = max(tops)
     top_values: list[list[float]] = [[] for _ in targets]
     top_ids: list[list[int]] = [[] for _ in targets]
@@ -30,7 +32,6 @@ def entries(logits: torch.Tensor, targets: Sequence[int], tops: Sequence[int]) -
     out: list[Logprobs] = []
     for i, (token, value) in enumerate(zip(targets, chosen, strict=True)):
         k = tops[i]
-        out.append(
-            Logprobs(token, value, tuple(zip(top_ids[i][:k], top_values[i][:k], strict=True)))
-        )
+        top = tuple(zip(top_ids[i][:k], top_values[i][:k], strict=True))
+        out.append(Logprobs(token, value, top, int(ranks[i])))
     return out

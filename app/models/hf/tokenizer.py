@@ -65,6 +65,10 @@ class HFTokenizer:
         """Ids in all, added tokens included."""
         return len(self._tok)
 
+    def spell(self, ids: Sequence[int]) -> list[str]:
+        """Each id's token string as the vocabulary spells it (``"Ġcapital"``)."""
+        return [str(t) for t in self._tok.convert_ids_to_tokens(list(ids))]
+
     def token_strings(self) -> list[str]:
         """Every id's token string (the vocabulary's own spelling), by id."""
         return [str(t) for t in self._tok.convert_ids_to_tokens(list(range(self.length)))]
