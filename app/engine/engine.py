@@ -28,10 +28,11 @@ from app.engine.errors import (
     UnsupportedFeatureError,
 )
 from app.engine.runner import close_quietly, make_runner
+from app.engine.scheduler import set_status
 from app.engine.step import ModelOutput, SchedulerOutput
 from app.engine.step_clock import StepClock, StepWork, sleep_until
 from app.engine.stream import RequestStream
-from app.engine.types import FinishReason, Sequence
+from app.engine.types import FinishReason, RequestStatus, Sequence
 from app.engine.worker import ModelWorker
 from app.models.protocol import Model, shares_prompts, supports_prefix_caching
 
@@ -396,7 +397,7 @@ class Engine:
             self.core.fail_all(error)
         for stream in list(self.core.live.values()):  # whatever the scheduler lost track of
             stream.seq.error = error
-            stream.seq.finish_reason = reason
+            set_status(stream.seq, RequestStatus.FINISHED, reason, self.core.clock())
             stream.notify()
         self.core.live.clear()
         self.core.aborting.clear()

@@ -169,18 +169,18 @@ class Scheduler:
         """Queue ``seq``. Returns True if it finished at once: ``max_tokens == 0`` (never run,
         ``length``) or too long for the whole KV cache (``error``)."""
         if seq.max_tokens <= 0 and seq.prompt_logprobs is None:
-            self._close(seq, FinishReason.LENGTH, now)  # (with prompt logprobs: prefill only)
-            return True
+            set_status(seq, RequestStatus.FINISHED, FinishReason.LENGTH, now)  # (with prompt
+            return True  # log probabilities it runs for its prefill)
         if self._count_blocks and not self.books.fits_ever(seq.token_limit - 1):
             seq.error = ValueError(
                 f"request {seq.request_id!r} needs up to {seq.token_limit - 1} tokens of KV "
                 f"cache; the cache holds {self.books.capacity_tokens}"
             )
-            self._close(seq, FinishReason.ERROR, now)
+            set_status(seq, RequestStatus.FINISHED, FinishReason.ERROR, now)
             return True
         if seq.fork_of is not None and not self._may_fork(seq, seq.fork_of):
             seq.fork_of = None
-        seq.status = RequestStatus.WAITING
+        set_status(seq, RequestStatus.WAITING)
         self.waiting.push(seq)
         if self.scheduling is not None:
             self.scheduling.on_queued(seq, now, new=True)
@@ -450,7 +450,7 @@ class Scheduler:
             if loras is not None and seq.lora is not None:
                 self._load_lora(out, seq.lora, loras)
             self.slots.allocate(seq)
-            seq.status = RequestStatus.RUNNING
+            set_status(seq, RequestStatus.RUNNING)
             seq.prefilled = start or len(hits) * self.books.block_size
             seq.prefill_target = len(seq.tokens)
             self._free_blocks -= cost
@@ -674,19 +674,13 @@ class Scheduler:
             self.scheduling.on_finished(seq)
         if seq.status is RequestStatus.RUNNING:
             self._leave_slot(seq)
-        self._close(seq, reason, now)
-
-    def _close(self, seq: Sequence, reason: FinishReason, now: float) -> None:
-        seq.status = RequestStatus.FINISHED
-        seq.finish_reason = reason
-        seq.constraint = None  # its grammar state is freed with the request
-        seq.times.finished = now
+        set_status(seq, RequestStatus.FINISHED, reason, now)
 
     def _requeue(self, seq: Sequence, status: RequestStatus, now: float) -> None:
         """Back to the queue (its front, unless the policy says its back), to be recomputed
         from position 0."""
         self._leave_slot(seq)
-        seq.status = status
+        set_status(seq, status)
         policy = self.scheduling
         if policy is None or policy.requeue_front:
             self.waiting.push_front(seq)
@@ -711,6 +705,20 @@ class Scheduler:
         seq.prefilled = 0
         if self.prefix_cache is not None:
             self.prefix_cache.release(seq)
+
+
+def set_status(
+    seq: Sequence, status: RequestStatus, reason: FinishReason | None = None, now: float = 0.0
+) -> None:
+    """The one writer of a request's status (tests/test_layering.py keeps it so): the
+    ``Scheduler`` makes every change through it. A finished request also gets ``reason`` and
+    its end time ``now``, and its grammar state is freed. Outside a scheduler, only a request
+    no scheduler holds is ended here (an injected failure, the engine's last resort)."""
+    seq.status = status
+    if status is RequestStatus.FINISHED:
+        seq.finish_reason = reason
+        seq.constraint = None
+        seq.times.finished = now
 
 
 def _forks_a_running_request(seq: Sequence) -> bool:

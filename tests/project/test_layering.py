@@ -157,3 +157,36 @@ KNOWN_CYCLES = [{"app.engine.prefix_cache", "app.engine.types"}]
 
 def test_no_import_circles_in_app() -> None:
     assert [c for c in cycles(import_graph()) if c not in KNOWN_CYCLES] == []
+
+def functions_assigning(path: Path, attribute: str) -> list[str]:
+    """The functions of ``path`` with an assignment to ``<something>.<attribute>`` (as a
+    target of ``=``, ``+=`` or a tuple assignment), as ``file:function``; an object setting its
+    own (``self.status``, an HTTP error's) is not counted."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            for inner in ast.walk(node):
+                targets = (
+                    inner.targets if isinstance(inner, ast.Assign)
+                    else [inner.target] if isinstance(inner, ast.AugAssign | ast.AnnAssign)
+                    else []
+                )  # fmt: skip
+                for target in targets:
+                    for leaf in ast.walk(target):
+                        if (
+                            isinstance(leaf, ast.Attribute)
+                            and leaf.attr == attribute
+                            and not (isinstance(leaf.value, ast.Name) and leaf.value.id == "self")
+                        ):
+                            found.append(f"{path.relative_to(APP)}:{node.name}")
+    return sorted(set(found))
+
+
+def test_a_request_status_has_one_writer() -> None:
+    """Issue 29: a request's status changes in one function, the scheduler's ``set_status``;
+    every other place (the scheduler's transitions, the engine's last resort, an injected
+    failure) calls it."""
+    for attribute in ("status", "finish_reason"):
+        writers = [w for p in APP.rglob("*.py") for w in functions_assigning(p, attribute)]
+        writers = [w for w in writers if not w.startswith("bench/")]  # (a client's record)
+        assert writers == ["engine/scheduler.py:set_status"], attribute
