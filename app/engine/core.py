@@ -16,13 +16,13 @@ from typing import Any, Protocol
 from app.engine.errors import DuplicateRequestError, QueueFullError
 from app.engine.policies import FCFS, PolicyConfig
 from app.engine.prefix_cache import CacheEvent
-from app.engine.runner import ModelRunner
-from app.engine.scheduler import BatchingPolicy, Scheduler, SchedulerConfig
+from app.engine.runner import ModelRunner, close_quietly
+from app.engine.scheduler import BatchingPolicy, Scheduler, SchedulerConfig, set_status
 from app.engine.snapshot import WAITING_SHOWN, EngineSnapshot, SlotView
 from app.engine.step import ModelOutput, SchedulerOutput, StepOutcome
 from app.engine.step_clock import NO_STEP_TIME, StepTimeModel
 from app.engine.stream import RequestStream
-from app.engine.types import FinishReason, Sequence
+from app.engine.types import FinishReason, RequestStatus, Sequence
 
 log = logging.getLogger("slotserve.engine")
 
@@ -129,6 +129,63 @@ class EngineCore:
         # Exceptions raised by the observer, by method and type: contained, logged once per
         # kind, counted (a metrics bug must not take the engine down).
         self.observer_errors: Counter[str] = Counter()
+
+    def has_work(self) -> bool:
+        """Whether a request waits in the scheduler's queue or runs."""
+        return self.scheduler.has_work()
+
+    def is_live(self, request_id: str) -> bool:
+        """Whether a request with this id is registered and has not finished."""
+        return request_id in self.live
+
+    def note_abort(self, request_id: str) -> bool:
+        """An abort of the live ``request_id`` is on its way: it no longer counts against the
+        queue bound. False if one already was (nothing more to send)."""
+        first = request_id not in self.aborting
+        self.aborting.add(request_id)
+        return first
+
+    # the model's calls: where they run (the engine's worker thread, if any); none of them
+    # touches the scheduler
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        return self.runner.execute(out)
+
+    def constrained(self, out: SchedulerOutput) -> bool:
+        return self.runner.constrained(out)
+
+    def retry_resets(self) -> frozenset[int]:
+        return self.runner.retry_resets()
+
+    def release_slots(self) -> None:
+        """Idle: the model drops every cache it holds (failures logged: ``close_quietly``)."""
+        close_quietly(self.runner)
+
+    def set_out_of_service(self, slots: frozenset[int]) -> None:
+        """The slots the model could not reset are out of service (every other one is back)."""
+        self.scheduler.slots.set_out_of_service(slots)
+
+    def take_released(self) -> None:
+        """Forget the scheduler's pending slot releases (``release_slots`` covers them)."""
+        self.scheduler.take_released()
+
+    def end_everything(
+        self, unqueued: list[Sequence], reason: FinishReason, error: BaseException | None
+    ) -> None:
+        """The engine's loop is gone: end every request, ``unqueued`` ones (registered, never
+        handed to the scheduler) included, with ``abort`` or ``error``; any live request the
+        scheduler lost track of ends with ``reason``."""
+        for seq in unqueued:
+            self.scheduler.waiting.push(seq)
+        if error is None:
+            self.abort_all()
+        else:
+            self.fail_all(error)
+        for stream in list(self.live.values()):
+            stream.seq.error = error
+            set_status(stream.seq, RequestStatus.FINISHED, reason, self.clock())
+            stream.notify()
+        self.live.clear()
+        self.aborting.clear()
 
     @property
     def num_running(self) -> int:
