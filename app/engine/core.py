@@ -130,12 +130,10 @@ class EngineCore:
         # kind, counted (a metrics bug must not take the engine down).
         self.observer_errors: Counter[str] = Counter()
 
-    def has_work(self) -> bool:
-        """Whether a request waits in the scheduler's queue or runs."""
+    def has_work(self) -> bool:  # a request waits in the scheduler's queue or runs
         return self.scheduler.has_work()
 
-    def is_live(self, request_id: str) -> bool:
-        """Whether a request with this id is registered and has not finished."""
+    def is_live(self, request_id: str) -> bool:  # registered and not finished
         return request_id in self.live
 
     def note_abort(self, request_id: str) -> bool:
@@ -157,16 +155,14 @@ class EngineCore:
         return self.runner.retry_resets()
 
     def release_slots(self) -> None:
-        """Idle: the model drops every cache it holds (failures logged: ``close_quietly``)."""
+        """Idle (no step runs or is planned): the model drops every cache it holds, the
+        scheduler's pending releases included (failures logged: ``close_quietly``)."""
+        self.scheduler.take_released()
         close_quietly(self.runner)
 
     def set_out_of_service(self, slots: frozenset[int]) -> None:
         """The slots the model could not reset are out of service (every other one is back)."""
         self.scheduler.slots.set_out_of_service(slots)
-
-    def take_released(self) -> None:
-        """Forget the scheduler's pending slot releases (``release_slots`` covers them)."""
-        self.scheduler.take_released()
 
     def end_everything(
         self, unqueued: list[Sequence], reason: FinishReason, error: BaseException | None

@@ -188,7 +188,7 @@ class Engine:
         self._end_leftovers(FinishReason.ABORT, None)
         if not call_abandoned and self.death is None:  # no call is running: release the slots,
             try:  # but a release that hangs is abandoned like a stuck call
-                await asyncio.wait_for(self._close_runner(), timeout=call_timeout)
+                await asyncio.wait_for(self._in_worker(self.core.release_slots), call_timeout)
             except TimeoutError:
                 log.error("the model's slot release did not return in %.1f s: abandoned",
                           call_timeout)  # fmt: skip
@@ -217,7 +217,7 @@ class Engine:
                     continue
             if not core.has_work():
                 if self._inbox.empty():  # a submitted request may still be in the inbox
-                    await self._close_runner()
+                    await self._in_worker(self.core.release_slots)  # idle: usage reads 0
                 if self._inbox.empty():
                     self._idle.set()
                 self._last_deadline = None  # the next step does not follow one
@@ -276,13 +276,6 @@ class Engine:
         if self._worker is None:
             return fn()
         return await self._worker.run(fn)
-
-    async def _close_runner(self) -> None:
-        """No model call is running and none is planned: have the model drop every cache it
-        still holds (so its cache usage reads zero while idle), where its calls run (the worker
-        thread, if any). The scheduler's pending releases are covered by this."""
-        self.core.take_released()
-        await self._in_worker(self.core.release_slots)
 
     async def _execute(self, out: SchedulerOutput) -> ModelOutput:
         """The model call, then the rest of the step clock's time on the event loop (a sleep
