@@ -137,8 +137,8 @@ class EngineCore:
         return request_id in self.live
 
     def note_abort(self, request_id: str) -> bool:
-        """An abort of the live ``request_id`` is on its way: it no longer counts against the
-        queue bound. False if one already was (nothing more to send)."""
+        """An abort of the live ``request_id`` is on its way (it no longer counts against the
+        queue bound); False if one already was."""
         first = request_id not in self.aborting
         self.aborting.add(request_id)
         return first
@@ -172,10 +172,7 @@ class EngineCore:
         scheduler lost track of ends with ``reason``."""
         for seq in unqueued:
             self.scheduler.waiting.push(seq)
-        if error is None:
-            self.abort_all()
-        else:
-            self.fail_all(error)
+        self.end_all(error)
         for stream in list(self.live.values()):
             stream.seq.error = error
             set_status(stream.seq, RequestStatus.FINISHED, reason, self.clock())
@@ -235,19 +232,19 @@ class EngineCore:
         for seq in self.scheduler.abort_waiting(self.clock()):
             self._finished(seq)
 
-    def abort_all(self) -> None:
-        """End every waiting and running request with ``abort`` (end of the grace period)."""
-        for seq in self.scheduler.abort_all(self.clock()):
+    def end_all(self, error: BaseException | None = None) -> None:
+        """End every waiting and running request with ``abort`` (end of the grace period), or
+        with ``error`` (the engine is dying)."""
+        now = self.clock()
+        ended = (
+            self.scheduler.abort_all(now) if error is None else self.scheduler.fail_all(error, now)
+        )
+        for seq in ended:
             self._finished(seq)
 
     def fail_waiting(self, error: BaseException) -> None:
         """End every request waiting for a slot with ``error`` (no slot can serve them)."""
         for seq in self.scheduler.fail_waiting(error, self.clock()):
-            self._finished(seq)
-
-    def fail_all(self, error: BaseException) -> None:
-        """End every waiting and running request with ``error`` (the engine is dying)."""
-        for seq in self.scheduler.fail_all(error, self.clock()):
             self._finished(seq)
 
     def schedule(self) -> SchedulerOutput:

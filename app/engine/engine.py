@@ -356,7 +356,7 @@ class Engine:
             self._unhold()
             core.abort_waiting()
         elif message is Signal.ABORT_ALL:
-            core.abort_all()
+            core.end_all()
         elif isinstance(message, ResetPrefixCache):
             if not message.done.done():
                 message.done.set_result(core.reset_prefix_cache())
