@@ -196,8 +196,13 @@ class EngineCore:
         table = scheduler.slots
         slots = tuple(_slot_view(table.get(index)) for index in range(table.capacity))
         waiting = tuple(seq.request_id for seq in islice(scheduler.waiting, WAITING_SHOWN))
-        usage = scheduler.books.usage(table.running())
-        return EngineSnapshot(slots, table.out_of_service, waiting, self.num_waiting, usage)
+        return EngineSnapshot(
+            slots, table.out_of_service, waiting, self.num_waiting, self.kv_cache_usage()
+        )
+
+    def kv_cache_usage(self) -> float:
+        """The share of the KV cache's blocks in use now."""
+        return self.scheduler.books.usage(self.scheduler.slots.running())
 
     def has_room(self) -> bool:
         """Whether ``register`` would take one more request (slots + ``max_waiting``). A
