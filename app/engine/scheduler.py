@@ -150,14 +150,15 @@ class Scheduler:
         # admitted first: admitting a request whose adapter is not there loads it (counted in
         # ``SchedulerOutput.lora_loads``, charged by the step clock)
         self._lora_slots: dict[str, None] = {}
-        self.scheduling: Policy | None = make_policy(config.scheduling)
+        self.policy: Policy | None = make_policy(config.scheduling)
 
     @property
     def num_slots(self) -> int:
         return self.slots.capacity
 
     @property
-    def policy(self) -> BatchingPolicy:
+    def batching(self) -> BatchingPolicy:
+        """The batching mode (continuous or static); ``policy`` is the scheduling policy."""
         return self.config.policy
 
     def has_work(self) -> bool:
@@ -182,8 +183,8 @@ class Scheduler:
             seq.fork_of = None
         set_status(seq, RequestStatus.WAITING)
         self.waiting.push(seq)
-        if self.scheduling is not None:
-            self.scheduling.on_queued(seq, now, new=True)
+        if self.policy is not None:
+            self.policy.on_queued(seq, now, new=True)
         return False
 
     def _may_fork(self, seq: Sequence, source: Sequence) -> bool:
@@ -196,7 +197,7 @@ class Scheduler:
         )
         return (
             self.config.share_prompts
-            and self.policy is BatchingPolicy.CONTINUOUS  # static: it would wait a whole batch
+            and self.batching is BatchingPolicy.CONTINUOUS  # static: it would wait a whole batch
             and live
             and seq.prompt_logprobs is None
             and seq.num_generated == 0
@@ -249,8 +250,8 @@ class Scheduler:
         goes on where it stopped: its stream sees no token twice and none missing."""
         if seq.status is not RequestStatus.RUNNING:
             raise ValueError(f"request {seq.request_id!r} is not running")
-        if self.scheduling is not None:
-            self.scheduling.on_preempted(seq, now)
+        if self.policy is not None:
+            self.policy.on_preempted(seq, now)
         self._requeue(seq, RequestStatus.PREEMPTED, now)
         seq.num_preemptions += 1
         self._preempted.append(seq)
@@ -261,7 +262,7 @@ class Scheduler:
         """Plan the next step within the token budget and the KV capacity (see the module
         docstring for the order). A policy may first preempt one running request for a waiting
         one, when every slot is busy."""
-        policy = self.scheduling
+        policy = self.policy
         if policy is not None and self.waiting and not self.slots.num_free:
             self._preempt_for_waiting(policy, now)
         if self._count_blocks:
@@ -345,7 +346,7 @@ class Scheduler:
                 self._free_blocks = free - needed
                 return decoding
             running = self.slots.running()
-            policy = self.scheduling
+            policy = self.policy
             victim = max(running, key=_admission) if policy is None else policy.kv_victim(running)
             self.preempt(victim, now)
             decoding = self._decoding
@@ -354,7 +355,7 @@ class Scheduler:
         """Every slot is busy and a request waits: preempt the running request the policy
         names for it, if any (one per step; the waiting request takes its slot in this step),
         once it has waited ``preemption_delay`` seconds."""
-        if self.policy is BatchingPolicy.STATIC:
+        if self.batching is BatchingPolicy.STATIC:
             return
         picked = policy.select(self.waiting, now)  # a waiting fork cannot start: the next can
         candidate = self._first_fitting(policy, None, now) if picked.awaits_fork else picked
@@ -421,11 +422,11 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int, now: float) -> int:
         """Move waiting requests into free slots while the budget and the cache allow."""
-        static = self.policy is BatchingPolicy.STATIC
+        static = self.batching is BatchingPolicy.STATIC
         if static and self.slots.occupied:
             return budget
         # Static batching fills every slot at once (later steps prefill what the budget left).
-        policy = self.scheduling
+        policy = self.policy
         loras = self._running_loras() if self.config.max_loras is not None else None
         while (budget > 0 or static) and self.waiting and self.slots.num_free:
             seq = self.waiting.peek() if policy is None else policy.select(self.waiting, now)
@@ -670,8 +671,8 @@ class Scheduler:
         return seqs
 
     def _finish(self, seq: Sequence, reason: FinishReason, now: float) -> None:
-        if self.scheduling is not None:
-            self.scheduling.on_finished(seq)
+        if self.policy is not None:
+            self.policy.on_finished(seq)
         if seq.status is RequestStatus.RUNNING:
             self._leave_slot(seq)
         set_status(seq, RequestStatus.FINISHED, reason, now)
@@ -681,7 +682,7 @@ class Scheduler:
         from position 0."""
         self._leave_slot(seq)
         set_status(seq, status)
-        policy = self.scheduling
+        policy = self.policy
         if policy is None or policy.requeue_front:
             self.waiting.push_front(seq)
         else:
