@@ -607,7 +607,7 @@ class Serving:
         key's request shows without its ``request_id`` and ``user``."""
         engine = self.engine if rank == 0 else self.engines[rank]
         scheduler, now = engine.core.scheduler, time.monotonic()
-        table, scheduling = scheduler.slots, scheduler.scheduling
+        table, scheduling = scheduler.slots, scheduler.policy
         out_of_service = table.out_of_service
         out: list[dict[str, object]] = []
         for index in range(table.capacity):

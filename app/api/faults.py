@@ -45,6 +45,7 @@ from app.api.errors import (
 )
 from app.config import FAILURE_TYPES, Settings
 from app.engine.errors import EngineDrainingError, QueueFullError
+from app.engine.scheduler import set_status
 from app.engine.stream import Delta, RequestStream
 from app.engine.types import FinishReason, RequestStatus, Sequence
 from app.metrics import EngineMetrics
@@ -172,8 +173,8 @@ def _error(failure: str, seq: Sequence, settings: Settings, model: str | None) -
 
 def _failed_stream(seq: Sequence, error: BaseException) -> RequestStream:
     """A stream for ``seq`` that has already ended as a failed first model call ends one."""
-    seq.error, seq.finish_reason, seq.status = error, FinishReason.ERROR, RequestStatus.FINISHED
-    seq.times.finished = time.monotonic()
+    seq.error = error
+    set_status(seq, RequestStatus.FINISHED, FinishReason.ERROR, time.monotonic())
     return RequestStream(seq)
 
 

@@ -46,7 +46,7 @@ def current_load(serving: Serving) -> Load:
     cores = [engine.core for engine in serving.engines]
     if not cores:
         return Load(0, 0, 0.0)
-    usage = [core.scheduler.books.usage(core.scheduler.slots.running()) for core in cores]
+    usage = [core.kv_cache_usage() for core in cores]
     return Load(
         running=sum(core.num_running for core in cores),
         waiting=sum(core.num_waiting for core in cores),

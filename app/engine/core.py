@@ -16,13 +16,13 @@ from typing import Any, Protocol
 from app.engine.errors import DuplicateRequestError, QueueFullError
 from app.engine.policies import FCFS, PolicyConfig
 from app.engine.prefix_cache import CacheEvent
-from app.engine.runner import ModelRunner
-from app.engine.scheduler import BatchingPolicy, Scheduler, SchedulerConfig
+from app.engine.runner import ModelRunner, close_quietly
+from app.engine.scheduler import BatchingPolicy, Scheduler, SchedulerConfig, set_status
 from app.engine.snapshot import WAITING_SHOWN, EngineSnapshot, SlotView
 from app.engine.step import ModelOutput, SchedulerOutput, StepOutcome
 from app.engine.step_clock import NO_STEP_TIME, StepTimeModel
 from app.engine.stream import RequestStream
-from app.engine.types import FinishReason, Sequence
+from app.engine.types import FinishReason, RequestStatus, Sequence
 
 log = logging.getLogger("slotserve.engine")
 
@@ -130,6 +130,56 @@ class EngineCore:
         # kind, counted (a metrics bug must not take the engine down).
         self.observer_errors: Counter[str] = Counter()
 
+    def has_work(self) -> bool:  # a request waits in the scheduler's queue or runs
+        return self.scheduler.has_work()
+
+    def is_live(self, request_id: str) -> bool:  # registered and not finished
+        return request_id in self.live
+
+    def note_abort(self, request_id: str) -> bool:
+        """An abort of the live ``request_id`` is on its way (it no longer counts against the
+        queue bound); False if one already was."""
+        first = request_id not in self.aborting
+        self.aborting.add(request_id)
+        return first
+
+    # the model's calls: where they run (the engine's worker thread, if any); none of them
+    # touches the scheduler
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        return self.runner.execute(out)
+
+    def constrained(self, out: SchedulerOutput) -> bool:
+        return self.runner.constrained(out)
+
+    def retry_resets(self) -> frozenset[int]:
+        return self.runner.retry_resets()
+
+    def release_slots(self) -> None:
+        """Idle (no step runs or is planned): the model drops every cache it holds, the
+        scheduler's pending releases included (failures logged: ``close_quietly``)."""
+        self.scheduler.take_released()
+        close_quietly(self.runner)
+
+    def set_out_of_service(self, slots: frozenset[int]) -> None:
+        """The slots the model could not reset are out of service (every other one is back)."""
+        self.scheduler.slots.set_out_of_service(slots)
+
+    def end_everything(
+        self, unqueued: list[Sequence], reason: FinishReason, error: BaseException | None
+    ) -> None:
+        """The engine's loop is gone: end every request, ``unqueued`` ones (registered, never
+        handed to the scheduler) included, with ``abort`` or ``error``; any live request the
+        scheduler lost track of ends with ``reason``."""
+        for seq in unqueued:
+            self.scheduler.waiting.push(seq)
+        self.end_all(error)
+        for stream in list(self.live.values()):
+            stream.seq.error = error
+            set_status(stream.seq, RequestStatus.FINISHED, reason, self.clock())
+            stream.notify()
+        self.live.clear()
+        self.aborting.clear()
+
     @property
     def num_running(self) -> int:
         return self.scheduler.slots.occupied
@@ -146,8 +196,13 @@ class EngineCore:
         table = scheduler.slots
         slots = tuple(_slot_view(table.get(index)) for index in range(table.capacity))
         waiting = tuple(seq.request_id for seq in islice(scheduler.waiting, WAITING_SHOWN))
-        usage = scheduler.books.usage(table.running())
-        return EngineSnapshot(slots, table.out_of_service, waiting, self.num_waiting, usage)
+        return EngineSnapshot(
+            slots, table.out_of_service, waiting, self.num_waiting, self.kv_cache_usage()
+        )
+
+    def kv_cache_usage(self) -> float:
+        """The share of the KV cache's blocks in use now."""
+        return self.scheduler.books.usage(self.scheduler.slots.running())
 
     def has_room(self) -> bool:
         """Whether ``register`` would take one more request (slots + ``max_waiting``). A
@@ -182,19 +237,19 @@ class EngineCore:
         for seq in self.scheduler.abort_waiting(self.clock()):
             self._finished(seq)
 
-    def abort_all(self) -> None:
-        """End every waiting and running request with ``abort`` (end of the grace period)."""
-        for seq in self.scheduler.abort_all(self.clock()):
+    def end_all(self, error: BaseException | None = None) -> None:
+        """End every waiting and running request with ``abort`` (end of the grace period), or
+        with ``error`` (the engine is dying)."""
+        now = self.clock()
+        ended = (
+            self.scheduler.abort_all(now) if error is None else self.scheduler.fail_all(error, now)
+        )
+        for seq in ended:
             self._finished(seq)
 
     def fail_waiting(self, error: BaseException) -> None:
         """End every request waiting for a slot with ``error`` (no slot can serve them)."""
         for seq in self.scheduler.fail_waiting(error, self.clock()):
-            self._finished(seq)
-
-    def fail_all(self, error: BaseException) -> None:
-        """End every waiting and running request with ``error`` (the engine is dying)."""
-        for seq in self.scheduler.fail_all(error, self.clock()):
             self._finished(seq)
 
     def schedule(self) -> SchedulerOutput:

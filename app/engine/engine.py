@@ -27,7 +27,7 @@ from app.engine.errors import (
     ModelError,
     UnsupportedFeatureError,
 )
-from app.engine.runner import close_quietly, make_runner
+from app.engine.runner import make_runner
 from app.engine.step import ModelOutput, SchedulerOutput
 from app.engine.step_clock import StepClock, StepWork, sleep_until
 from app.engine.stream import RequestStream
@@ -136,10 +136,9 @@ class Engine:
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """Cancel a waiting or running request (``reason``: see ``Scheduler.abort``). False if
         no live request has this id."""
-        if request_id not in self.core.live:
+        if not self.core.is_live(request_id):
             return False
-        if request_id not in self.core.aborting:
-            self.core.aborting.add(request_id)
+        if self.core.note_abort(request_id):
             self._inbox.put_nowait(Abort(request_id, reason))
         return True
 
@@ -189,7 +188,7 @@ class Engine:
         self._end_leftovers(FinishReason.ABORT, None)
         if not call_abandoned and self.death is None:  # no call is running: release the slots,
             try:  # but a release that hangs is abandoned like a stuck call
-                await asyncio.wait_for(self._close_runner(), timeout=call_timeout)
+                await asyncio.wait_for(self._in_worker(self.core.release_slots), call_timeout)
             except TimeoutError:
                 log.error("the model's slot release did not return in %.1f s: abandoned",
                           call_timeout)  # fmt: skip
@@ -212,13 +211,13 @@ class Engine:
         while True:
             if self._held:
                 self._release_held()
-                if not core.scheduler.has_work():
+                if not core.has_work():
                     if not await self._wait_held():
                         return
                     continue
-            if not core.scheduler.has_work():
+            if not core.has_work():
                 if self._inbox.empty():  # a submitted request may still be in the inbox
-                    await self._close_runner()
+                    await self._in_worker(self.core.release_slots)  # idle: usage reads 0
                 if self._inbox.empty():
                     self._idle.set()
                 self._last_deadline = None  # the next step does not follow one
@@ -228,7 +227,7 @@ class Engine:
                     return
             if not self._drain_inbox():
                 return
-            if self._held and not core.scheduler.has_work():
+            if self._held and not core.has_work():
                 continue  # only held requests: wait for the first above
             out = core.schedule()
             if not out.empty:
@@ -260,8 +259,8 @@ class Engine:
         try:
             message = await asyncio.wait_for(self._inbox.get(), STALL_RETRY)
         except TimeoutError:
-            unavailable = await self._in_worker(self.core.runner.retry_resets)
-            self.core.scheduler.slots.set_out_of_service(unavailable)
+            unavailable = await self._in_worker(self.core.retry_resets)
+            self.core.set_out_of_service(unavailable)
             now = self.core.clock()
             self._stalled_since = self._stalled_since or now
             if now - self._stalled_since >= STALL_LIMIT:
@@ -278,28 +277,21 @@ class Engine:
             return fn()
         return await self._worker.run(fn)
 
-    async def _close_runner(self) -> None:
-        """No model call is running and none is planned: have the model drop every cache it
-        still holds (so its cache usage reads zero while idle), where its calls run (the worker
-        thread, if any). The scheduler's pending releases are covered by this."""
-        self.core.scheduler.take_released()
-        await self._in_worker(lambda: close_quietly(self.core.runner))
-
     async def _execute(self, out: SchedulerOutput) -> ModelOutput:
         """The model call, then the rest of the step clock's time on the event loop (a sleep
         that nothing has to wait for: streams, submits and aborts run meanwhile). A step with
         grammar work runs in a worker thread even for a model whose calls are quick (the
         mocks): a client's grammar may cost milliseconds a token (bounded by the grammar
         budget), which must not stall the event loop."""
-        runner = self.core.runner
+        core = self.core
         if self._worker is not None:
-            result = await self._worker.run(runner.execute, out)
-        elif runner.constrained(out):
+            result = await self._worker.run(core.execute, out)
+        elif core.constrained(out):
             if self._grammar_worker is None:
                 self._grammar_worker = ModelWorker("slotserve-grammar")
-            result = await self._grammar_worker.run(runner.execute, out)
+            result = await self._grammar_worker.run(core.execute, out)
         else:
-            result = runner.execute(out)
+            result = core.execute(out)
         if self.clock.enabled:
             work = StepWork.of(out)
             deadline = self.clock.paced_deadline(out.started_at, work, self._last_deadline)
@@ -319,7 +311,7 @@ class Engine:
         or, with ``late_admission`` while steps run back to back, before the step just run
         was planned (as ``app.simulate.run`` does)."""
         threshold = self.core.clock()
-        busy = self._last_deadline is not None and self.core.scheduler.has_work()
+        busy = self._last_deadline is not None and self.core.has_work()
         if self.config.late_admission and busy:
             threshold = self._step_start
         while self._held and self._held[0][0] <= threshold:
@@ -364,7 +356,7 @@ class Engine:
             self._unhold()
             core.abort_waiting()
         elif message is Signal.ABORT_ALL:
-            core.abort_all()
+            core.end_all()
         elif isinstance(message, ResetPrefixCache):
             if not message.done.done():
                 message.done.set_result(core.reset_prefix_cache())
@@ -381,22 +373,12 @@ class Engine:
     def _end_leftovers(self, reason: FinishReason, error: BaseException | None) -> None:
         """With the loop gone, end every request it left: queued in the inbox, waiting or
         running in the scheduler, or known only to ``live``."""
-        for _, seq in self._held:
-            self.core.scheduler.waiting.push(seq)
+        unqueued = [seq for _, seq in self._held]
         self._held.clear()
         while not self._inbox.empty():
             message = self._inbox.get_nowait()
             if isinstance(message, Add):
-                self.core.scheduler.waiting.push(message.seq)
+                unqueued.append(message.seq)
             elif isinstance(message, ResetPrefixCache) and not message.done.done():
                 message.done.set_result(False)
-        if error is None:
-            self.core.abort_all()
-        else:
-            self.core.fail_all(error)
-        for stream in list(self.core.live.values()):  # whatever the scheduler lost track of
-            stream.seq.error = error
-            stream.seq.finish_reason = reason
-            stream.notify()
-        self.core.live.clear()
-        self.core.aborting.clear()
+        self.core.end_everything(unqueued, reason, error)

@@ -8,7 +8,6 @@ from itertools import chain
 from app.engine.errors import ModelError
 from app.engine.runner import ModelRunner, close_quietly, make_runner
 from app.engine.scheduler import Scheduler
-from app.engine.step import ModelOutput, SchedulerOutput
 from app.engine.types import Request, Sequence
 from app.models.protocol import Model
 
@@ -39,17 +38,26 @@ def generate(
     scheduler = Scheduler(num_slots)
     runner = make_runner(model, num_slots, pad_sequence)
     stops = frozenset((stop_token,))
-    seqs = [_sequence(request, stops, include_stop) for request in requests]
+    seqs = [Sequence(r.request_id, list(r.prompt), r.max_tokens, stops, include_stop)
+            for r in requests]  # fmt: skip
     now = time.monotonic()
     for seq in seqs:
         scheduler.add(seq, now)
     try:
-        while scheduler.has_work():
+        while True:
             out = scheduler.schedule(time.monotonic())
-            if out.empty:  # only when the model cannot reset a slot: retry, or give up
+            if out.empty:  # done, or the model cannot reset a slot: retry, or give up
+                if not scheduler.has_work():
+                    break
                 _recover_slots(runner, scheduler, seqs)
                 continue
-            result = _run_step(runner.execute, out, seqs)
+            try:
+                result = runner.execute(out)
+            except ModelError as err:  # the model broke its contract
+                err.partial = _partial(seqs)
+                raise
+            except Exception as err:
+                raise ModelError(f"model call failed: {err!r}", _partial(seqs)) from err
             scheduler.update(out, result, time.monotonic())
     finally:
         close_quietly(runner)
@@ -97,12 +105,6 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _sequence(request: Request, stops: frozenset[int], include_stop: bool) -> Sequence:
-    return Sequence(
-        request.request_id, list(request.prompt), request.max_tokens, stops, include_stop
-    )
-
-
 def _recover_slots(runner: ModelRunner, scheduler: Scheduler, seqs: list[Sequence]) -> None:
     """Nothing could be scheduled: have the model retry its failed slot resets; if a slot is
     still unavailable, raise ``ModelError`` with the partial results (``generate()`` does not
@@ -110,19 +112,9 @@ def _recover_slots(runner: ModelRunner, scheduler: Scheduler, seqs: list[Sequenc
     unavailable = runner.retry_resets()
     scheduler.slots.set_out_of_service(unavailable)
     if unavailable:
-        partial = {seq.request_id: seq.generated for seq in seqs}
-        raise ModelError(f"the model failed to reset slots {sorted(unavailable)}", partial)
+        raise ModelError(f"the model failed to reset slots {sorted(unavailable)}", _partial(seqs))
 
 
-def _run_step(execute: object, out: SchedulerOutput, seqs: list[Sequence]) -> ModelOutput:
-    """Run one model call; on failure raise a ``ModelError`` carrying the partial results."""
-    assert callable(execute)
-    try:
-        result: ModelOutput = execute(out)
-    except ModelError as err:
-        err.partial = {seq.request_id: seq.generated for seq in seqs}
-        raise
-    except Exception as err:
-        partial = {seq.request_id: seq.generated for seq in seqs}
-        raise ModelError(f"model call failed: {err!r}", partial) from err
-    return result
+def _partial(seqs: list[Sequence]) -> dict[str, list[int]]:
+    """Every request's tokens so far (carried by the error that ends a run)."""
+    return {seq.request_id: seq.generated for seq in seqs}

@@ -24,8 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
-
-from app.engine.types import Sequence
+from typing import Protocol
 
 
 @dataclass(eq=False, slots=True)
@@ -69,6 +68,16 @@ class PrefixState:
     keys: list[int]
     blocks: list[CachedBlock] = field(default_factory=list)
     checked: int = 0
+
+
+class CachedRequest(Protocol):
+    """What the cache reads of a request, and keeps on it (``app.engine.types.Sequence``)."""
+
+    tokens: list[int]
+    prompt_len: int
+    prefilled: int
+    lora: str | None
+    prefix: PrefixState | None
 
 
 class PrefixCache:
@@ -118,7 +127,7 @@ class PrefixCache:
         """Cached blocks in use by running requests (each counted once)."""
         return len(self._entries) - len(self._free)
 
-    def state(self, seq: Sequence) -> PrefixState:
+    def state(self, seq: CachedRequest) -> PrefixState:
         """``seq``'s prefix state, its prompt's chain keys computed at its first lookup."""
         if seq.prefix is None:  # an adapter's blocks chain from their own root
             size, keys = self.block_size, []
@@ -130,7 +139,7 @@ class PrefixCache:
             seq.prefix = PrefixState(keys)
         return seq.prefix
 
-    def lookup(self, seq: Sequence, max_tokens: int) -> list[CachedBlock]:
+    def lookup(self, seq: CachedRequest, max_tokens: int) -> list[CachedBlock]:
         """The cached leading blocks of ``seq``'s prompt, at most ``max_tokens`` tokens' worth.
         Nothing is referenced yet (see ``acquire``)."""
         state, size, tokens = self.state(seq), self.block_size, seq.tokens
@@ -146,7 +155,7 @@ class PrefixCache:
             parent = block
         return found
 
-    def acquire(self, seq: Sequence, blocks: list[CachedBlock]) -> None:
+    def acquire(self, seq: CachedRequest, blocks: list[CachedBlock]) -> None:
         """``seq`` (just given a slot) starts from ``blocks``, the result of ``lookup``."""
         state = self.state(seq)
         for block in blocks:
@@ -154,7 +163,7 @@ class PrefixCache:
         state.blocks = list(blocks)
         state.checked = len(blocks)
 
-    def publish(self, seq: Sequence) -> None:
+    def publish(self, seq: CachedRequest) -> None:
         """``seq`` has computed up to ``seq.prefilled``: cache its newly full prompt blocks it
         is the first to compute (it references them from now on)."""
         state = seq.prefix
@@ -182,7 +191,7 @@ class PrefixCache:
         self._end_run(stored)
         state.checked = max(state.checked, done)
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: CachedRequest) -> None:
         """``seq`` left its slot: drop its references (its last block is freed first)."""
         state = seq.prefix
         if state is None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from itertools import compress
+from operator import attrgetter, countOf
 from typing import Protocol
 
 from app.engine.errors import ModelOutputError
@@ -61,17 +63,17 @@ class StatelessRunner:
         self._decodes: list[Sequence] = []  # the previous step's decode list and its inputs:
         self._inputs: list[list[int]] = []  # while it is unchanged, the same lists serve again
         self._constrained = ConstrainedRows()
-        self._plain = True  # every one of those decodes samples plainly
         self._sampled = getattr(model, "next_tokens_for", None)
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         seqs = out.decode_seqs
-        inputs = self._inputs_for(seqs)
-        plain = self._plain
+        if seqs is not self._decodes:  # the same list while no decode request changes
+            self._decodes, self._inputs = seqs, list(map(_TOKENS, seqs))
+        inputs, plain, sampling = self._inputs, out.decodes_plain, []
         if out.prefills:
-            sampling = [s for s, c in zip(out.prefill_seqs, out.prefills, strict=True) if c.sample]
-            seqs, inputs = seqs + sampling, inputs + [s.tokens for s in sampling]
-            plain = plain and all(s.sampling.plain for s in sampling)
+            sampling = list(compress(out.prefill_seqs, map(_SAMPLE, out.prefills)))
+            seqs, inputs = seqs + sampling, inputs + list(map(_TOKENS, sampling))
+            plain = plain and all(map(_PLAIN, sampling))
         if not inputs:
             return ModelOutput([])
         if not plain and self._sampled is not None:
@@ -80,25 +82,19 @@ class StatelessRunner:
             output = ModelOutput(self._padded(seqs, inputs))
         else:
             output = ModelOutput(checked_tokens(self.model.next_tokens(inputs), len(inputs)))
-        rows = self._constrained.rows(out.decode_seqs, seqs[len(out.decode_seqs) :])
-        if rows:
-            output = _obeyed_output(output, rows)
+        if out.decodes_constrained or sampling:
+            rows = self._constrained.rows(out, sampling)
+            output = _obeyed_output(output, rows) if rows else output
         return output
 
     def close(self) -> None:
-        self._decodes, self._inputs, self._plain = [], [], True
+        self._decodes, self._inputs = [], []
 
     def retry_resets(self) -> frozenset[int]:
         return frozenset()  # a stateless model has no cache to reset
 
     def constrained(self, out: SchedulerOutput) -> bool:
-        return has_constraints(self._constrained, out)
-
-    def _inputs_for(self, decodes: list[Sequence]) -> list[list[int]]:
-        if decodes is not self._decodes:
-            self._decodes, self._inputs = decodes, [seq.tokens for seq in decodes]
-            self._plain = all(seq.sampling.plain for seq in decodes)
-        return self._inputs
+        return has_constraints(out)
 
     def _padded(self, seqs: list[Sequence], inputs: list[list[int]]) -> list[int]:
         assert self.pad_sequence is not None
@@ -130,7 +126,6 @@ class CachedRunner:
         self._columns: tuple[list[int], list[SamplingParams], list[str]] = ([], [], [])
         self._constrained = ConstrainedRows()
         self._masks = applies_token_masks(model)
-        self._plain = True  # every one of those decodes samples plainly
         self._sampled = getattr(model, "step_sampled", None)
 
     def _sampling_prefills(self, out: SchedulerOutput, run: list[PrefillChunk]) -> list[Sequence]:
@@ -154,7 +149,7 @@ class CachedRunner:
         self._assigned.update(chunk.slot for chunk in prefills if chunk.fresh)
         slots, sampling, ids = self._columns_for(out.decode_seqs)
         sampled = self._sampling_prefills(out, prefills) if prefills else []
-        rows = self._constrained.rows(out.decode_seqs, sampled)
+        rows = self._constrained.rows(out, sampled)
         masks: list[bytes | None] = []
         if rows and self._masks:
             masks = [None] * (len(out.decode_seqs) + len(sampled))
@@ -162,7 +157,7 @@ class CachedRunner:
                 masks[index] = seq.constraint.mask() if seq.constraint is not None else None
         batch = StepBatch(slots, out.decode_tokens, sampling, ids, prefills,
                           decode_histories=out.decode_seqs, token_masks=masks)  # fmt: skip
-        plain = self._plain and all(chunk.sampling.plain for chunk in prefills)
+        plain = out.decodes_plain and all(chunk.sampling.plain for chunk in prefills)
         step = self.model.step if plain or self._sampled is None else self._sampled
         output = model_output(step(batch), batch.num_outputs, frozenset(self._dirty))
         if masks:
@@ -184,7 +179,7 @@ class CachedRunner:
         return frozenset(self._dirty)
 
     def constrained(self, out: SchedulerOutput) -> bool:
-        return has_constraints(self._constrained, out)
+        return has_constraints(out)
 
     def _columns_for(
         self, decodes: list[Sequence]
@@ -195,7 +190,6 @@ class CachedRunner:
             assert len(slots) == len(decodes), "a decoding request without a slot"
             self._decodes = decodes
             self._columns = (slots, [s.sampling for s in decodes], [s.request_id for s in decodes])
-            self._plain = all(params.plain for params in self._columns[1])
         return self._columns
 
     def _release(self, slot: int) -> None:
@@ -214,32 +208,32 @@ class CachedRunner:
             log.info("slot %d was reset and is back in service", slot)
 
 
-def has_constraints(rows: ConstrainedRows, out: SchedulerOutput) -> bool:
+def has_constraints(out: SchedulerOutput) -> bool:
     """Whether a request of ``out`` has a grammar (its work may take long: see ``Engine``)."""
-    if rows.rows(out.decode_seqs, []):  # (cached while the decode list is unchanged)
-        return True
-    return bool(out.prefill_seqs) and any(seq.constraint is not None for seq in out.prefill_seqs)
+    return out.decodes_constrained or any(seq.constraint is not None for seq in out.prefill_seqs)
 
 
 class ConstrainedRows:
     """The output rows of a step whose request has a grammar (``Sequence.constraint``), as
     (row, request) pairs. The decode part is recomputed only when the decode list changes (the
-    scheduler hands out the same list while it does not), so a step with no constrained
-    request pays one identity check."""
+    scheduler hands out the same list while it does not) and has such a request (the scheduler
+    counts them), so a step with no constrained request looks at no request."""
 
     def __init__(self) -> None:
         self._decodes: list[Sequence] = []
         self._rows: list[tuple[int, Sequence]] = []
 
-    def rows(self, decodes: list[Sequence], sampled: list[Sequence]) -> list[tuple[int, Sequence]]:
-        if decodes is not self._decodes:
+    def rows(self, out: SchedulerOutput, sampled: list[Sequence]) -> list[tuple[int, Sequence]]:
+        decodes, constrained = out.decode_seqs, out.decodes_constrained
+        if constrained and decodes is not self._decodes:
             self._decodes = decodes
             self._rows = [(i, seq) for i, seq in enumerate(decodes) if seq.constraint is not None]
+        found = self._rows if constrained else []
         if not any(seq.constraint is not None for seq in sampled):
-            return self._rows
+            return found
         base = len(decodes)
         extra = [(base + i, seq) for i, seq in enumerate(sampled) if seq.constraint is not None]
-        return [*self._rows, *extra]
+        return [*found, *extra]
 
 
 def obeyed(tokens: list[int], rows: list[tuple[int, Sequence]]) -> list[int]:
@@ -312,7 +306,7 @@ def make_runner(model: Model, num_slots: int, pad_sequence: list[int] | None = N
     raise TypeError(f"{type(model).__name__} has neither next_tokens() nor step() and release()")
 
 
-_INT_ONLY = {int}
+_TOKENS, _SAMPLE, _PLAIN = attrgetter("tokens"), attrgetter("sample"), attrgetter("sampling.plain")
 
 
 def model_output(
@@ -334,7 +328,7 @@ def checked_tokens(tokens: object, expected: int) -> list[int]:
         raise ModelOutputError(f"model returned {type(tokens).__name__}, expected a list of ints")
     if len(tokens) != expected:
         raise ModelOutputError(f"model returned {len(tokens)} tokens, expected {expected}")
-    if expected and set(map(type, tokens)) != _INT_ONLY:  # one C-level pass; bool is not int
+    if countOf(map(type, tokens), int) != expected:  # one C-level pass; bool is not int
         i, token = next((i, t) for i, t in enumerate(tokens) if type(t) is not int)
         raise ModelOutputError(
             f"model returned {token!r} ({type(token).__name__}) at index {i}, expected int"

@@ -31,8 +31,11 @@ losing nothing but time.
 
 from __future__ import annotations
 
+from bisect import insort
 from dataclasses import dataclass
 from enum import StrEnum
+from itertools import repeat
+from operator import attrgetter
 
 from app.engine.errors import ModelOutputError
 from app.engine.kv_books import KVBooks
@@ -44,14 +47,9 @@ from app.engine.types import FinishReason, RequestStatus, Sequence
 from app.engine.waiting import WaitingQueue
 from app.models.protocol import NO_TOKEN, Logprobs, PrefillChunk
 
-UNBOUNDED = 1 << 62
-
-
-def _admission(seq: Sequence) -> int:
-    return seq.admission
-
-
-# a token budget or KV capacity that never binds
+UNBOUNDED = 1 << 62  # a token budget or KV capacity that never binds
+_admission = attrgetter("admission")
+_slot = attrgetter("slot")
 
 
 class BatchingPolicy(StrEnum):
@@ -139,7 +137,10 @@ class Scheduler:
         self._budget = config.max_num_batched_tokens or UNBOUNDED
         self._chunk_cap = config.max_prefill_chunk or self._budget
         self._prefilling: list[Sequence] = []  # running, prefill incomplete, admission order
-        self._decoding: list[Sequence] | None = []  # running past prefill, slot order (cached)
+        # running past prefill, in slot order: replaced, never modified, when it changes (a
+        # plan keeps its list); how many of them sample other than plainly, or have a grammar
+        self._decoding: list[Sequence] = []
+        self._unplain = self._constrained = 0
         self._released: list[int] = []
         self._preempted: list[Sequence] = []
         self._free_blocks = UNBOUNDED  # while planning a step: blocks not yet handed out
@@ -149,14 +150,15 @@ class Scheduler:
         # admitted first: admitting a request whose adapter is not there loads it (counted in
         # ``SchedulerOutput.lora_loads``, charged by the step clock)
         self._lora_slots: dict[str, None] = {}
-        self.scheduling: Policy | None = make_policy(config.scheduling)
+        self.policy: Policy | None = make_policy(config.scheduling)
 
     @property
     def num_slots(self) -> int:
         return self.slots.capacity
 
     @property
-    def policy(self) -> BatchingPolicy:
+    def batching(self) -> BatchingPolicy:
+        """The batching mode (continuous or static); ``policy`` is the scheduling policy."""
         return self.config.policy
 
     def has_work(self) -> bool:
@@ -168,21 +170,21 @@ class Scheduler:
         """Queue ``seq``. Returns True if it finished at once: ``max_tokens == 0`` (never run,
         ``length``) or too long for the whole KV cache (``error``)."""
         if seq.max_tokens <= 0 and seq.prompt_logprobs is None:
-            self._close(seq, FinishReason.LENGTH, now)  # (with prompt logprobs: prefill only)
-            return True
-        if self.config.kv_binds and not self.books.fits_ever(seq.token_limit - 1):
+            set_status(seq, RequestStatus.FINISHED, FinishReason.LENGTH, now)  # (with prompt
+            return True  # log probabilities it runs for its prefill)
+        if self._count_blocks and not self.books.fits_ever(seq.token_limit - 1):
             seq.error = ValueError(
                 f"request {seq.request_id!r} needs up to {seq.token_limit - 1} tokens of KV "
                 f"cache; the cache holds {self.books.capacity_tokens}"
             )
-            self._close(seq, FinishReason.ERROR, now)
+            set_status(seq, RequestStatus.FINISHED, FinishReason.ERROR, now)
             return True
         if seq.fork_of is not None and not self._may_fork(seq, seq.fork_of):
             seq.fork_of = None
-        seq.status = RequestStatus.WAITING
+        set_status(seq, RequestStatus.WAITING)
         self.waiting.push(seq)
-        if self.scheduling is not None:
-            self.scheduling.on_queued(seq, now, new=True)
+        if self.policy is not None:
+            self.policy.on_queued(seq, now, new=True)
         return False
 
     def _may_fork(self, seq: Sequence, source: Sequence) -> bool:
@@ -195,7 +197,7 @@ class Scheduler:
         )
         return (
             self.config.share_prompts
-            and self.policy is BatchingPolicy.CONTINUOUS  # static: it would wait a whole batch
+            and self.batching is BatchingPolicy.CONTINUOUS  # static: it would wait a whole batch
             and live
             and seq.prompt_logprobs is None
             and seq.num_generated == 0
@@ -248,8 +250,8 @@ class Scheduler:
         goes on where it stopped: its stream sees no token twice and none missing."""
         if seq.status is not RequestStatus.RUNNING:
             raise ValueError(f"request {seq.request_id!r} is not running")
-        if self.scheduling is not None:
-            self.scheduling.on_preempted(seq, now)
+        if self.policy is not None:
+            self.policy.on_preempted(seq, now)
         self._requeue(seq, RequestStatus.PREEMPTED, now)
         seq.num_preemptions += 1
         self._preempted.append(seq)
@@ -260,26 +262,29 @@ class Scheduler:
         """Plan the next step within the token budget and the KV capacity (see the module
         docstring for the order). A policy may first preempt one running request for a waiting
         one, when every slot is busy."""
-        policy = self.scheduling
+        policy = self.policy
         if policy is not None and self.waiting and not self.slots.num_free:
             self._preempt_for_waiting(policy, now)
-        decoding = self._decodes_that_fit(now)
-        out = SchedulerOutput(decoding, started_at=now)
+        if self._count_blocks:
+            decoding = self._decodes_that_fit(now)
+        else:  # the cache never binds
+            decoding, self._free_blocks = self._decoding, UNBOUNDED
+        out = SchedulerOutput(decoding, now, not self._unplain, self._constrained > 0)
         budget = self._budget - len(decoding)
-        for seq in self._prefilling:
-            budget -= self._chunk(out, seq, budget)
-        budget = self._admit(out, budget, now)
-        while out.empty and len(self._prefilling) > 1:  # prefills that filled the cache
+        budget = self._chunk_prefills(out, budget)
+        if self.slots.num_free and self.waiting:
+            budget = self._admit(out, budget, now)
+        while len(self._prefilling) > 1 and out.empty:  # prefills that filled the cache
             self._preempt_youngest_prefill(now)
-            for seq in self._prefilling:
-                budget -= self._chunk(out, seq, budget)
+            budget = self._chunk_prefills(out, budget)
         if self.prefix_cache is not None:  # the blocks handed out come from the free ones
             self.prefix_cache.evict_to(self._free_blocks)
-        out.preempted, self._preempted = self._preempted, []
+        if self._preempted:
+            out.preempted, self._preempted = self._preempted, []
         if policy is not None and policy.charges:
             policy.charge(out)
-        if not out.empty:  # an empty output is never run: keep its releases for the next one
-            out.released, self._released = self._released, []
+        if self._released and not out.empty:  # an empty output is never run: keep its
+            out.released, self._released = self._released, []  # releases for the next one
         return out
 
     def take_released(self) -> list[int]:
@@ -293,9 +298,9 @@ class Scheduler:
         each sampled token, finish requests that stop or reach ``max_tokens`` (their slots are
         free for the next ``schedule``). Requests aborted or preempted during the call are
         skipped and their tokens dropped (a preempted one recomputes them when it resumes)."""
-        tokens = result.tokens
-        expected = out.num_outputs
-        if result.unavailable_slots:
+        tokens, unavailable = result.tokens, result.unavailable_slots
+        expected = out.num_outputs if out.prefills else len(out.decode_seqs)
+        if unavailable:
             expected -= sum(1 for c in out.prefills if c.sample and not result.ran(c))
         if len(tokens) != expected:
             raise ValueError(f"{len(tokens)} tokens for a step that samples {expected}")
@@ -303,8 +308,9 @@ class Scheduler:
         outcome.num_decode_generated = self._apply_decodes(
             out.decode_seqs, tokens, outcome, result.logprobs
         )
-        self._apply_prefills(out, result, outcome)
-        self.slots.set_out_of_service(result.unavailable_slots)
+        if out.prefills:
+            self._apply_prefills(out, result, outcome)
+        self.slots.set_out_of_service(unavailable)
         return outcome
 
     def fail(self, out: SchedulerOutput, error: BaseException, now: float) -> StepOutcome:
@@ -317,20 +323,21 @@ class Scheduler:
 
     # --- inside a step ----------------------------------------------------------------------
 
-    def _decoding_now(self) -> list[Sequence]:
-        if self._decoding is None:
-            self._decoding = [s for s in self.slots.running() if not s.prefilling]
-        return self._decoding
+    def _start_decoding(self, seq: Sequence) -> None:
+        """``seq`` is past its prefill: it joins the decode list, and unless it needs the full
+        end rules for every token, its tokens take the fast path until its last."""
+        decoding = self._decoding.copy()
+        insort(decoding, seq, key=_slot)
+        self._decoding = decoding
+        self._unplain += not seq.sampling.plain
+        self._constrained += seq.constraint is not None
+        seq.fast_until = 0 if seq.slow or seq.constraint is not None else seq.token_limit - 1
 
     def _decodes_that_fit(self, now: float) -> list[Sequence]:
         """The decoding requests, with the blocks their tokens need set aside. When the cache
         cannot take one more token for each, preempt the most recently admitted running
         requests until it can (as vLLM does)."""
-        decoding = self._decoding_now()
-        if not self._count_blocks:
-            self._free_blocks = UNBOUNDED
-            return decoding
-        books = self.books
+        decoding, books = self._decoding, self.books
         while True:
             free = books.total - books.used(self.slots.running())
             # a decode needs a new block when its cached tokens fill their blocks exactly
@@ -339,16 +346,16 @@ class Scheduler:
                 self._free_blocks = free - needed
                 return decoding
             running = self.slots.running()
-            policy = self.scheduling
+            policy = self.policy
             victim = max(running, key=_admission) if policy is None else policy.kv_victim(running)
             self.preempt(victim, now)
-            decoding = self._decoding_now()
+            decoding = self._decoding
 
     def _preempt_for_waiting(self, policy: Policy, now: float) -> None:
         """Every slot is busy and a request waits: preempt the running request the policy
         names for it, if any (one per step; the waiting request takes its slot in this step),
         once it has waited ``preemption_delay`` seconds."""
-        if self.policy is BatchingPolicy.STATIC:
+        if self.batching is BatchingPolicy.STATIC:
             return
         picked = policy.select(self.waiting, now)  # a waiting fork cannot start: the next can
         candidate = self._first_fitting(policy, None, now) if picked.awaits_fork else picked
@@ -376,19 +383,27 @@ class Scheduler:
         # nothing was handed out in this step yet: the free blocks are the books' own
         self._free_blocks = self.books.total - self.books.used(self.slots.running())
 
-    def _chunk(self, out: SchedulerOutput, seq: Sequence, budget: int) -> int:
+    def _chunk_prefills(self, out: SchedulerOutput, budget: int) -> int:
+        """Schedule the next chunk of every running request still prefilling, oldest admission
+        first, within ``budget``; returns the budget left."""
+        unstarted = self._unstarted
+        for seq in self._prefilling:
+            budget -= self._chunk(out, seq, budget, bool(unstarted) and seq.request_id in unstarted)
+        return budget
+
+    def _chunk(self, out: SchedulerOutput, seq: Sequence, budget: int, first: bool) -> int:
         """Schedule the next prefill chunk of ``seq`` within ``budget``; returns its length.
-        The first chunk on its fresh slot (in the step that admits it, or later when static
+        The ``first`` chunk on its fresh slot (in the step that admits it, or later when static
         batching admitted it with no budget left) carries its cached prefix, if any."""
         start, books = seq.prefilled, self.books
-        room = books.room(start, self._free_blocks)
-        size = min(seq.prefill_target - start, self._chunk_cap, budget, room)
+        size = min(seq.prefill_target - start, self._chunk_cap, budget)
+        if self._count_blocks:  # (else the cache never binds)
+            size = min(size, books.room(start, self._free_blocks))
+            self._free_blocks -= books.blocks_for(start + size) - books.blocks_for(start)
         if size <= 0:
             return 0
-        self._free_blocks -= books.blocks_for(start + size) - books.blocks_for(start)
         sample = start + size == seq.prefill_target
         assert seq.slot is not None
-        first = seq.request_id in self._unstarted
         if first:
             self._unstarted.discard(seq.request_id)
         prefix = seq.tokens[:start] if first and start else ()
@@ -407,25 +422,27 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int, now: float) -> int:
         """Move waiting requests into free slots while the budget and the cache allow."""
-        static = self.policy is BatchingPolicy.STATIC
+        static = self.batching is BatchingPolicy.STATIC
         if static and self.slots.occupied:
             return budget
         # Static batching fills every slot at once (later steps prefill what the budget left).
-        policy = self.scheduling
+        policy = self.policy
         loras = self._running_loras() if self.config.max_loras is not None else None
         while (budget > 0 or static) and self.waiting and self.slots.num_free:
             seq = self.waiting.peek() if policy is None else policy.select(self.waiting, now)
-            if not self._may_start(seq, loras):
+            if (loras is not None or seq.fork_of is not None) and not self._may_start(seq, loras):
                 found = self._first_fitting(policy, loras, now)
                 if found is None:
                     break  # every waiting request needs another adapter, or waits for its fork
                 seq = found
-            start = self._fork_start(seq)
-            hits = self._cached_prefix(seq, start)
-            cost = sum(1 for block in hits if block.refs == 0)  # they leave the free blocks
-            if start:  # a fork: its own copies of the prompt blocks the cache does not share
+            start = self._fork_start(seq) if seq.fork_of is not None else 0
+            hits = self._cached_prefix(seq, start) if self.prefix_cache is not None else []
+            # the cost in free blocks: cached blocks nobody uses, and a fork's own copies of
+            # the prompt blocks the cache does not share
+            cost = sum(1 for block in hits if block.refs == 0) if hits else 0
+            if start:
                 cost += self.books.blocks_for(start) - len(hits)
-            if not self.books.room(start, self._free_blocks - cost):
+            if self._count_blocks and not self.books.room(start, self._free_blocks - cost):
                 break  # the cache is full: it waits (first come, first served)
             if policy is None:
                 self.waiting.remove(seq.request_id)  # the head, or the first that may start
@@ -434,7 +451,7 @@ class Scheduler:
             if loras is not None and seq.lora is not None:
                 self._load_lora(out, seq.lora, loras)
             self.slots.allocate(seq)
-            seq.status = RequestStatus.RUNNING
+            set_status(seq, RequestStatus.RUNNING)
             seq.prefilled = start or len(hits) * self.books.block_size
             seq.prefill_target = len(seq.tokens)
             self._free_blocks -= cost
@@ -453,8 +470,10 @@ class Scheduler:
             else:
                 out.resumed.append(seq)
             self._prefilling.append(seq)
-            self._unstarted.add(seq.request_id)
-            budget -= self._chunk(out, seq, budget)
+            size = self._chunk(out, seq, budget, True)
+            if not size:  # (static batching with no budget left) its first chunk comes later
+                self._unstarted.add(seq.request_id)
+            budget -= size
         return budget
 
     def _first_fitting(
@@ -541,17 +560,16 @@ class Scheduler:
         """The hot path: one token for each decoding request. Returns the tokens applied."""
         finished, now, running = outcome.finished, outcome.ended_at, RequestStatus.RUNNING
         skipped = dropped = 0
-        for i, (seq, token) in enumerate(zip(seqs, tokens, strict=False)):
-            if seq.status is not running:
-                skipped += 1  # aborted or preempted while the model ran: its token is dropped
-            elif (
-                token in seq.stop_token_ids
-                or len(seq.tokens) + 1 >= seq.token_limit
-                or seq.slow
-                or seq.constraint is not None
-            ):
-                logprob = None if logprobs is None else logprobs[i]
-                dropped += self._append(seq, token, now, finished, logprob)  # every end rule
+        # (tokens: then the prefills' tokens) a token needs the end rules if it is a stop token
+        # or the request's last, or if the request needs them for every token or has left its
+        # slot (``fast_until``: 0)
+        rows = zip(seqs, tokens, repeat(None) if logprobs is None else logprobs, strict=False)
+        for seq, token, logprob in rows:
+            if token in seq.stop_token_ids or len(seq.tokens) >= seq.fast_until:
+                if seq.status is not running:
+                    skipped += 1  # aborted or preempted while the model ran: token dropped
+                else:
+                    dropped += self._append(seq, token, now, finished, logprob)
             else:
                 seq.tokens.append(token)  # one token, not the last: the request has computed it
         outcome.num_generated += len(seqs) - skipped - dropped
@@ -562,8 +580,8 @@ class Scheduler:
     ) -> None:
         tokens, index, now = result.tokens, len(out.decode_seqs), outcome.ended_at
         for seq, chunk in zip(out.prefill_seqs, out.prefills, strict=True):
-            if not result.ran(chunk):  # its slot could not be reset: back to the queue
-                if seq.status is RequestStatus.RUNNING:  # (not counted as a preemption)
+            if result.unavailable_slots and not result.ran(chunk):  # its slot could not be
+                if seq.status is RequestStatus.RUNNING:  # reset: back to the queue (no preemption)
                     was = RequestStatus.PREEMPTED if seq.num_preemptions else RequestStatus.WAITING
                     self._requeue(seq, was, now)
                 continue
@@ -579,7 +597,7 @@ class Scheduler:
             if token is None:
                 continue
             self._prefilling.remove(seq)
-            self._decoding = None  # it decodes from the next step on
+            self._start_decoding(seq)  # it decodes from the next step on
             if seq.times.first_token is None:
                 seq.times.first_token = now
             logprob = None if result.logprobs is None else result.logprobs[index - 1]
@@ -653,24 +671,18 @@ class Scheduler:
         return seqs
 
     def _finish(self, seq: Sequence, reason: FinishReason, now: float) -> None:
-        if self.scheduling is not None:
-            self.scheduling.on_finished(seq)
+        if self.policy is not None:
+            self.policy.on_finished(seq)
         if seq.status is RequestStatus.RUNNING:
             self._leave_slot(seq)
-        self._close(seq, reason, now)
-
-    def _close(self, seq: Sequence, reason: FinishReason, now: float) -> None:
-        seq.status = RequestStatus.FINISHED
-        seq.finish_reason = reason
-        seq.constraint = None  # its grammar state is freed with the request
-        seq.times.finished = now
+        set_status(seq, RequestStatus.FINISHED, reason, now)
 
     def _requeue(self, seq: Sequence, status: RequestStatus, now: float) -> None:
         """Back to the queue (its front, unless the policy says its back), to be recomputed
         from position 0."""
         self._leave_slot(seq)
-        seq.status = status
-        policy = self.scheduling
+        set_status(seq, status)
+        policy = self.policy
         if policy is None or policy.requeue_front:
             self.waiting.push_front(seq)
         else:
@@ -679,16 +691,35 @@ class Scheduler:
             policy.on_queued(seq, now, new=False)
 
     def _leave_slot(self, seq: Sequence) -> None:
-        """``seq`` gives up its slot and its blocks."""
-        if seq.prefilling:
+        """The running ``seq`` gives up its slot and its blocks."""
+        if seq.prefilled < seq.prefill_target:  # prefilling
             self._prefilling.remove(seq)
-        else:
-            self._decoding = None
-        self._unstarted.discard(seq.request_id)
+            self._unstarted.discard(seq.request_id)
+        else:  # it leaves the decode list
+            decoding = self._decoding.copy()
+            decoding.remove(seq)
+            self._decoding = decoding
+            self._unplain -= not seq.sampling.plain
+            self._constrained -= seq.constraint is not None
+            seq.fast_until = 0
         self._released.append(self.slots.release(seq))
         seq.prefilled = 0
         if self.prefix_cache is not None:
             self.prefix_cache.release(seq)
+
+
+def set_status(
+    seq: Sequence, status: RequestStatus, reason: FinishReason | None = None, now: float = 0.0
+) -> None:
+    """The one writer of a request's status (tests/test_layering.py keeps it so): the
+    ``Scheduler`` makes every change through it. A finished request also gets ``reason`` and
+    its end time ``now``, and its grammar state is freed. Outside a scheduler, only a request
+    no scheduler holds is ended here (an injected failure, the engine's last resort)."""
+    seq.status = status
+    if status is RequestStatus.FINISHED:
+        seq.finish_reason = reason
+        seq.constraint = None
+        seq.times.finished = now
 
 
 def _forks_a_running_request(seq: Sequence) -> bool:

@@ -38,6 +38,9 @@ class SchedulerOutput:
     """
 
     decode_seqs: list[Sequence]
+    started_at: float = 0.0
+    decodes_plain: bool = True  # every decode request samples plainly (``SamplingParams``)
+    decodes_constrained: bool = False  # a decode request has a grammar
     prefill_seqs: list[Sequence] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     released: list[int] = field(default_factory=list)
@@ -48,7 +51,6 @@ class SchedulerOutput:
     prefix_queries: int = 0
     prefix_hits: int = 0
     lora_loads: int = 0  # LoRA adapters loaded into the batch's adapter slots in this step
-    started_at: float = 0.0
     _decode_tokens: list[int] | None = None
 
     @property
@@ -76,7 +78,7 @@ class SchedulerOutput:
         return [*self.decode_seqs, *self.prefill_seqs]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # (not frozen: a frozen one costs a microsecond a step to build)
 class ModelOutput:
     """The model's answer to one ``SchedulerOutput``: ``tokens`` has one id per decode request,
     in order, then one per prefill chunk with ``sample`` set, in order. A partial chunk adds

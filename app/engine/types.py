@@ -162,6 +162,9 @@ class Sequence:
     prompt_logprobs: list[Logprobs | None] | None = None
     # every token goes through the full end rules (stop strings, min_tokens, log probabilities)
     slow: bool = False
+    # set by the scheduler while it decodes: below this ``len(tokens)``, a token that is no stop
+    # token needs no end rule (0: every token does)
+    fast_until: int = 0
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.tokens)

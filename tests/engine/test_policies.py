@@ -106,7 +106,7 @@ def test_mlfq_demotes_after_a_quantum_and_preempts_for_a_higher_level() -> None:
     sched = scheduler(PolicyName.MLFQ, num_slots=1, mlfq_quantum=2, mlfq_aging_seconds=0)
     long = seq("long", max_tokens=50)
     sched.add(long, 0.0)
-    policy = sched.scheduling
+    policy = sched.policy
     assert isinstance(policy, MLFQPolicy)
     step(sched)  # prefill: its first token
     assert policy.level(long) == 0
@@ -200,7 +200,7 @@ def test_fair_service_of_two_backlogged_users_differs_by_at_most_the_vtc_bound(
     for user, requests in (("f", heavy), ("g", light)):
         for i, (prompt_len, max_tokens) in enumerate(requests):
             sched.add(seq(f"{user}{i}", max_tokens, prompt_len, user=user), 0.0)
-    policy = sched.scheduling
+    policy = sched.policy
     assert isinstance(policy, FairPolicy)
     bound = 2 * (config.fair_prompt_weight * 6 + config.fair_output_weight * num_slots * 8)
     while policy.backlog["f"] and policy.backlog["g"]:
