@@ -1,22 +1,25 @@
-"""The compiled forward (``--compile auto``): the whole decoder, every layer, as one graph
-through ``torch.compile`` (inductor's C++ backend), with the token dimension dynamic.
+"""The compiled forward (``--compile auto``): each decoder layer (``llama.block``) through
+``torch.compile`` (inductor's C++ backend), one graph shared by all layers, the token dimension
+dynamic.
 
 What the compiler sees and what it does not:
 
 - It fuses the elementwise work between the matrix products (RMSNorm in float32, RoPE, the
   residual adds, SiLU-mul, the casts) into a few C++ loops per layer.
 - The matrix products stay ``Linear``'s own kernels (oneDNN's prepacked bf16 weight, torch's
-  int8/int4 kernels): each is an opaque custom op (``slotserve::linear``) naming its ``Linear``
-  by a handle, so inductor neither re-lays out weights nor loses the prepacking.
-- The cache write and the attention stay ``attention.attend`` (an opaque custom op,
+  int8/int4 kernels): each is an opaque custom op (``slotserve::linear``), so inductor neither
+  re-lays out weights nor loses the prepacking.
+- The cache write and the attention stay ``llama.write_and_attend`` (an opaque custom op,
   ``slotserve::attend``): the step's ``StepLayout`` (Python ints and per-chunk masks) is not
   traced, so one graph serves every batch size and context length. The cache tensors are
   written in place (no reallocation).
+- The layer reaches both ops as a 0-d tensor handle (``_LAYERS``), not a constant, so the 30
+  layers share one graph instead of compiling 30.
 
-Shapes: the token count and the logit rows are dynamic; dynamo specializes a size of 1 on its
-own, so a server compiles about three graphs (warmed at load by ``warm_up``): single-token
-decode, one chunk's prefill, and the general case. Inductor caches its compiled code on disk
-(``cache_folder``); a second start reuses it.
+Shapes: dynamo specializes a size of 1 on its own, so a start compiles two graphs (one token;
+n tokens), both run by ``warm_up`` before the model is served. Inductor caches its compiled code
+on disk (``use_cache_folder``: under the model's cache folder); a second start reuses it.
+Figures and the decisions behind this layout: docs/benchmarks.md, "Compiled forward".
 """
 
 from __future__ import annotations
@@ -39,7 +42,9 @@ log = logging.getLogger("slotserve.model")
 RECOMPILE_LIMIT = 64  # graphs per process (a test suite loads many model shapes)
 WHICH = ("qkv", "out", "gate_up", "down")
 
-_LAYERS: list[tuple[CompiledForward, int]] = []  # a layer handle's forward and layer index
+# A layer handle's forward and layer index; entries live as long as the process (a server
+# loads one model; a test process a few tiny ones).
+_LAYERS: list[tuple[CompiledForward, int]] = []
 _REGISTRY_LOCK = threading.Lock()
 
 
