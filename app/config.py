@@ -145,6 +145,12 @@ class Settings(BaseSettings):
         description="real model, CPU: weight-only int8 (per row) or int4 (groups of 32, like "
         "Q4_1) matrices; activations and KV cache stay in --dtype",
     )
+    compile: Literal["off", "auto"] = Field(
+        "off",
+        description="real model, CPU: auto compiles the decoder layer with torch.compile "
+        "(inductor) at start when a C++ compiler is present, cached under the model's cache "
+        "folder; off: eager (default: compiled measured no faster, docs/benchmarks.md)",
+    )
     kv_cache_memory: ByteSize = Field(
         ByteSize(2 << 30),
         gt=0,

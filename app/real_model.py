@@ -70,6 +70,7 @@ async def load(settings: Settings) -> LoadedModel:
                 cache_dir=settings.model_cache_dir,
                 threads=settings.torch_threads,
                 quantization=settings.quantization,
+                compile=settings.compile,
             )
         except BaseException as exc:  # reported to the awaiting task, not lost in the thread
             report(None, exc)

@@ -7,7 +7,8 @@ gate_up, down for every layer + lm_head) on a random (32, hidden) input. --profi
 torch.profiler table over 5 greedy steps.
 
 Run alone (exclusive bench lock):
-  python benchmarks/real_model_step.py [--threads 1] [--dtype auto] [--quantization none] [--profile]
+  python benchmarks/real_model_step.py [--threads 1] [--dtype auto] [--quantization none]
+      [--compile off|auto] [--profile]
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="none")
+    parser.add_argument("--compile", default="off", choices=("off", "auto"))
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     loaded = load_model("smollm2", dtype=args.dtype, num_slots=32, max_model_len=512,
                         kv_cache_memory=1 << 30, threads=args.threads,
-                        quantization=args.quantization)  # fmt: skip
+                        quantization=args.quantization, compile=args.compile)  # fmt: skip
     model, tok = loaded.model, loaded.tokenizer
     prompt = tok.chat_prompt([("user", "What is the capital of France? Tell me a lot.")])
     chunks = [PrefillChunk(i, prompt, 0, True, GREEDY, f"r{i}") for i in range(32)]

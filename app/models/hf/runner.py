@@ -8,6 +8,7 @@ token per decode slot and per chunk that completes a prefill.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -61,6 +62,16 @@ class HFModel:
     @property
     def kv_capacity_tokens(self) -> int:
         return self.cache.capacity_tokens
+
+    def compile(self, cache_folder: Path) -> None:
+        """Switches to the compiled forward (``compiled.CompiledForward``) and compiles it now
+        (``compiled.warm_up``), its code cached in ``cache_folder``. Logs what it compiled and
+        how long it took."""
+        from app.models.hf.compiled import CompiledForward, use_cache_folder, warm_up
+
+        use_cache_folder(cache_folder)
+        self._forward = CompiledForward(self._forward)
+        warm_up(self._forward)
 
     def release(self, slot: int) -> None:
         self.cache.lengths[slot] = 0
