@@ -22,9 +22,9 @@ ClientFactory = Callable[..., AbstractAsyncContextManager[httpx.AsyncClient]]
 # real model elsewhere carry the ``real_model`` mark. ``pytest --mock-only`` (``make test-fast``)
 # leaves both out, so it runs where torch is not installed.
 REAL_MODEL_MODULES = frozenset({
-    "test_hf_deploy.py", "test_hf_dtype.py", "test_hf_logits_processors.py", "test_hf_model.py",
-    "test_hf_quantization.py", "test_hf_sampling.py", "test_hf_serving.py", "test_hf_smollm2.py",
-    "test_hf_text.py", "test_lm_eval.py", "test_tools_hf.py",
+    "test_hf_compile.py", "test_hf_deploy.py", "test_hf_dtype.py", "test_hf_logits_processors.py",
+    "test_hf_model.py", "test_hf_quantization.py", "test_hf_sampling.py", "test_hf_serving.py",
+    "test_hf_smollm2.py", "test_hf_text.py", "test_lm_eval.py", "test_tools_hf.py",
 })  # fmt: skip
 
 
