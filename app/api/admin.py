@@ -39,7 +39,7 @@ async def server_version() -> dict[str, str]:
 @router.get("/metrics")
 async def metrics(serving: ServingDep) -> Response:
     """Prometheus text format, vLLM metric names (``vllm:*``) plus ``slotserve:*``."""
-    return Response(generate_latest(serving.metrics_registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(serving.ranks.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/slots")

@@ -1,0 +1,107 @@
+"""The model a server runs: a built-in mock at once, or a real model loaded in the background
+(``--model smollm2`` or ``hf:PATH``), with its tokenizer and grammar compiler."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from app.config import Settings
+from app.engine.errors import EngineError
+from app.models.cached_mock import CachedMockModel
+from app.models.mock import MockModel
+from app.models.mock_language import MockLanguage
+from app.models.protocol import Model
+from app.models.tokenizer import ByteTokenizer, Tokenizer
+from app.structured.grammar import GrammarBudget, GrammarCompiler
+
+log = logging.getLogger("slotserve.serving")
+
+
+class ModelLoadingError(EngineError):
+    """The real model is still loading (or failed to load): nothing can be served yet."""
+
+
+class ModelLoadFailedError(ModelLoadingError):
+    """The real model failed to load: nothing will be served (retrying does not help)."""
+
+
+class LoadFailed(Exception):
+    """Why the real model could not be loaded (the message ``ModelLoadFailedError`` shows)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """A model ready to serve, one per data-parallel rank (``models``; the mocks only run more
+    than one), with the tokenizer and grammar compiler of their vocabulary."""
+
+    models: list[Model]
+    tokenizer: Tokenizer
+    grammars: GrammarCompiler
+
+
+def build_model(settings: Settings, tokenizer: Tokenizer | None = None) -> Model:
+    """The built-in mock named by ``settings.model``; with ``tokenizer`` (``--tokenizer``) it
+    writes single-token words of that vocabulary and stops at its EOS."""
+    language = MockLanguage(seed=settings.seed, stop_probability=settings.mock_stop_probability)
+    if tokenizer is not None:
+        from app.models.hf.tokenizer import HFTokenizer
+        from app.models.vocabulary import word_ids
+
+        assert isinstance(tokenizer, HFTokenizer)
+        language = MockLanguage(
+            tokenizer.vocab_size,
+            tokenizer.eos_token_id,
+            settings.seed,
+            settings.mock_stop_probability,
+            text=False,
+            words=word_ids(tokenizer),
+        )
+    if settings.model == "mock":
+        return MockModel(language)
+    return CachedMockModel(settings.num_slots, language)
+
+
+def grammar_budget(settings: Settings) -> GrammarBudget:
+    """The CPU time a request's grammar work may take (``--max-grammar-ms-per-*``)."""
+    return GrammarBudget(settings.max_grammar_ms_per_token, settings.max_grammar_ms_per_request)
+
+
+def load_mock(settings: Settings, model: Model | None = None) -> Loaded:
+    """``model`` (None: the built-in mock ``settings`` name) on rank 0, the built-in mock on
+    every other rank, with ``--tokenizer``'s tokenizer (unset: the mocks' byte tokenizer)."""
+    words: Tokenizer | None = None
+    if settings.tokenizer is not None:
+        from app.models.vocabulary import load_tokenizer
+
+        words = load_tokenizer(settings.tokenizer)
+    models = [model if model is not None else build_model(settings, words)] + [
+        build_model(settings, words) for _ in range(1, settings.data_parallel_size)
+    ]
+    tokenizer = words or ByteTokenizer()
+    return Loaded(models, tokenizer, GrammarCompiler(tokenizer, grammar_budget(settings)))
+
+
+async def load_real(settings: Settings) -> tuple[Settings, Loaded]:
+    """The real model ``settings`` name, loaded off the event loop, and ``settings`` sized to
+    its KV cache; ``LoadFailed`` (logged) if it cannot be."""
+    from app.models.hf import ModelLoadError
+    from app.real_model import load, sized
+
+    try:
+        loaded = await load(settings)
+    except ModelLoadError as exc:
+        log.error("model %s not loaded: %s", settings.model, exc)
+        raise LoadFailed(str(exc)) from None
+    except Exception as exc:
+        log.exception("model %s not loaded", settings.model)
+        raise LoadFailed(repr(exc)) from None
+    settings = sized(settings, loaded)
+    try:  # the grammar engine's vocabulary: ~1 s for a 49k vocabulary, off the event loop
+        budget = grammar_budget(settings)
+        grammars = await asyncio.to_thread(GrammarCompiler, loaded.tokenizer, budget)
+    except Exception as exc:
+        log.exception("model %s not loaded", settings.model)
+        raise LoadFailed(f"the grammar engine cannot read the tokenizer: {exc!r}") from None
+    return settings, Loaded([loaded.model], loaded.tokenizer, grammars)
