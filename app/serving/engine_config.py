@@ -1,7 +1,12 @@
-"""The server's settings in the engine's terms: its limits, scheduling policy and step clock."""
+"""The server's settings in the engine's terms: ``engine_config`` builds the ``EngineConfig``
+(the scheduler's ``SchedulerConfig`` and the engine's own limits) once, and the engine hands
+it to its scheduler whole. Each field of ``EngineConfig`` or ``PolicyConfig`` named like a
+setting takes that setting's value (the same name means the same thing), so a new scheduler
+setting is a field there and a flag of the same name in ``app/config.py``, with no code here."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from app.config import Settings
@@ -11,27 +16,27 @@ from app.engine.scheduler import BatchingPolicy
 from app.engine.step_clock import StepCosts, StepTimeModel
 
 
-def default_kv_cache_tokens(settings: Settings) -> int:
-    """Room for every slot to hold a whole context, in whole blocks: it never binds."""
-    blocks_per_slot = -(-settings.max_model_len // settings.block_size)
-    return settings.num_slots * blocks_per_slot * settings.block_size
+def named_like_settings(cls: type[Any], settings: Settings) -> dict[str, Any]:
+    """The settings named like a field of the dataclass ``cls``, by name."""
+    names = (field.name for field in dataclasses.fields(cls))
+    return {name: getattr(settings, name) for name in names if name in type(settings).model_fields}
 
 
-def policy_config(settings: Settings) -> PolicyConfig:
-    """The scheduling policy and its knobs from the settings."""
-    return PolicyConfig(
-        name=PolicyName(settings.policy),
-        max_overtakes=settings.max_overtakes,
-        preemption_threshold=settings.preemption_threshold,
-        preemption_delay=settings.preemption_delay,
-        mlfq_levels=settings.mlfq_levels,
-        mlfq_quantum=settings.mlfq_quantum,
-        mlfq_aging_seconds=settings.mlfq_aging_seconds,
-        mlfq_skip_join_tokens=settings.mlfq_skip_join_tokens,
-        fair_prompt_weight=settings.fair_prompt_weight,
-        fair_output_weight=settings.fair_output_weight,
-        fair_preemption=settings.fair_preemption,
-        fair_preemption_margin=settings.fair_preemption_margin,
+def step_costs(settings: Settings) -> StepTimeModel:
+    """The step clock: the linear one of the ``--mock-*-ms`` flags, or with --model-config
+    the physics step time (app/step_time)."""
+    lora_ms = settings.lora_switch_ms if settings.enable_lora else 0.0
+    if settings.model_config_file is not None:
+        from app.step_time.settings import physics_step_time
+
+        return physics_step_time(
+            settings.model_config_file, settings.gpu, settings.tensor_parallel_size, lora_ms / 1e3
+        )
+    return StepCosts(
+        step_ms=settings.mock_step_ms,
+        prefill_token_ms=settings.mock_prefill_ms,
+        decode_token_ms=settings.mock_per_seq_ms,
+        lora_load_ms=lora_ms,
     )
 
 
@@ -46,35 +51,20 @@ def physics_admission(settings: Settings) -> dict[str, Any]:
 
 
 def engine_config(settings: Settings) -> EngineConfig:
-    """The engine's limits and step clock from the settings."""
-    lora_ms = settings.lora_switch_ms if settings.enable_lora else 0.0
-    costs: StepTimeModel = StepCosts(
-        step_ms=settings.mock_step_ms,
-        prefill_token_ms=settings.mock_prefill_ms,
-        decode_token_ms=settings.mock_per_seq_ms,
-        lora_load_ms=lora_ms,
-    )
-    if settings.model_config_file is not None:  # the physics step time (app/step_time)
-        from app.step_time.settings import physics_step_time
-
-        costs = physics_step_time(
-            settings.model_config_file, settings.gpu, settings.tensor_parallel_size, lora_ms / 1e3
-        )
-    return EngineConfig(
-        num_slots=settings.num_slots,
-        max_waiting=settings.max_waiting,
-        policy=BatchingPolicy(settings.batching),
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        max_prefill_chunk=settings.max_prefill_chunk,
-        block_size=settings.block_size,
-        kv_cache_tokens=settings.kv_cache_tokens or default_kv_cache_tokens(settings),
-        max_model_len=settings.max_model_len,
-        scheduling=policy_config(settings),
-        enable_prefix_caching=settings.enable_prefix_caching,
-        kv_events=settings.kv_events_endpoint is not None,
-        max_loras=settings.max_loras if settings.enable_lora else None,
-        step_costs=costs,
-        step_jitter=settings.mock_jitter,
+    """The engine's limits, scheduling policy and step clock from the settings. Besides the
+    same-named ones: ``policy`` is --batching (``--policy`` is the scheduling policy), the KV
+    capacity defaults to a whole context per slot (it never binds), LoRA's bound applies with
+    --enable-lora only."""
+    whole_contexts = settings.num_slots * -(-settings.max_model_len // settings.block_size)
+    policy = PolicyName(settings.policy)
+    explicit = {
+        "policy": BatchingPolicy(settings.batching),
+        "kv_cache_tokens": settings.kv_cache_tokens or whole_contexts * settings.block_size,
+        "scheduling": PolicyConfig(policy, **named_like_settings(PolicyConfig, settings)),
+        "record_kv_events": settings.kv_events_endpoint is not None,
+        "max_loras": settings.max_loras if settings.enable_lora else None,
+        "step_costs": step_costs(settings),
+        "step_jitter": settings.mock_jitter,
         **physics_admission(settings),
-        seed=settings.seed,
-    )
+    }
+    return EngineConfig(**(named_like_settings(EngineConfig, settings) | explicit))
