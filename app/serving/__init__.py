@@ -4,8 +4,8 @@ The HTTP routes hold nothing else.
 
 One module per job: ``validation`` (a request into engine terms), ``ranks`` (the rank group:
 engines, metrics, KV-event publishers, routing), ``loading`` (the model, mock or real),
-``sleep`` (sleep mode and the startup delay), ``lora`` (LoRA adapters by name) and
-``engine_config`` (the settings in the engine's terms). ``Serving`` puts them together."""
+``sleep`` (sleep mode and the startup delay) and ``engine_config`` (the settings in the
+engine's terms); LoRA adapters by name are ``app.lora``'s. ``Serving`` puts them together."""
 
 from __future__ import annotations
 
@@ -15,60 +15,33 @@ import random
 import time
 
 from app.config import Settings
+from app.engine import errors
 from app.engine.engine import Engine
-from app.engine.errors import (
-    DuplicateRequestError,
-    EngineDrainingError,
-    EngineError,
-    QueueFullError,
-    UnsupportedFeatureError,
-)
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
-from app.metrics import EngineMetrics
+from app.lora import lora_named, start_loras
+from app.models.hf import is_real_model
 from app.models.protocol import Model
 from app.models.tokenizer import Tokenizer
+from app.serving import loading, validation
 from app.serving.engine_config import engine_config
-from app.serving.loading import (
-    Loaded,
-    LoadFailed,
-    ModelLoadFailedError,
-    ModelLoadingError,
-    load_mock,
-    load_real,
-)
-from app.serving.lora import lora_named, start_loras
+from app.serving.loading import ModelLoadFailedError, ModelLoadingError
 from app.serving.ranks import Ranks
 from app.serving.sleep import NotReadyError, Readiness
-from app.serving.validation import (
-    GenerationParams,
-    InvalidRequestError,
-    Validator,
-    context_length_error,
-    output_tokens,
-)
+from app.serving.validation import GenerationParams, InvalidRequestError, context_length_error
 from app.structured.constraint import Constraint
-from app.structured.grammar import GrammarCompiler
 
-__all__ = [
-    "REJECTION_REASONS",
-    "GenerationParams",
-    "InvalidRequestError",
-    "ModelLoadFailedError",
-    "ModelLoadingError",
-    "NotReadyError",
-    "Serving",
-    "context_length_error",
-    "engine_config",
-]
+__all__ = ["REJECTION_REASONS", "GenerationParams", "InvalidRequestError", "ModelLoadFailedError",
+           "ModelLoadingError", "NotReadyError", "Serving", "context_length_error",
+           "engine_config"]  # fmt: skip
 
 log = logging.getLogger("slotserve.serving")
 
-REJECTION_REASONS: dict[type[EngineError], str] = {
+REJECTION_REASONS: dict[type[errors.EngineError], str] = {
     NotReadyError: "not_ready",
-    QueueFullError: "queue_full",
-    DuplicateRequestError: "duplicate_id",
-    EngineDrainingError: "draining",
+    errors.QueueFullError: "queue_full",
+    errors.DuplicateRequestError: "duplicate_id",
+    errors.EngineDrainingError: "draining",
 }  # the reason label of slotserve:requests_rejected_total; any other refusal: engine_dead
 
 
@@ -78,45 +51,40 @@ class Serving:
     then ``state`` is ``loading`` and requests are refused with ``ModelLoadingError``."""
 
     def __init__(self, settings: Settings, model: Model | None = None) -> None:
-        from app.real_model import named, wants_real_model
-
-        self._real = model is None and wants_real_model(settings)
-        self.settings = named(settings) if self._real else settings
-        self.metrics = EngineMetrics(
-            self.settings.model_name, self.settings.num_slots, self.settings.profile
-        )
+        self._real = model is None and is_real_model(settings.model)
+        self.settings = loading.named(settings) if self._real else settings
         self.started_at = time.time()
         self.api_keys = settings.api_keys()
         self.load_error: str | None = None
         self._tool_draws = random.Random(settings.seed)  # --mock-tool-call-probability
         self._loading: asyncio.Task[None] | None = None
-        self._validator: Validator | None = None  # set once the model is installed
+        self._validator: validation.Validator | None = None  # set once the model is installed
         self.readiness = Readiness()
         self.loras = start_loras(self.settings)
         if settings.data_parallel_size > 1 and (model is not None or self._real):
-            raise UnsupportedFeatureError(
+            raise errors.UnsupportedFeatureError(
                 "--data-parallel-size > 1 runs one built-in mock per rank (not a given or real "
                 "model)"
             )
-        self.ranks = Ranks(self.settings, self.metrics)
+        self.ranks = Ranks(self.settings)  # opens the KV-event publishers
+        self.metrics = self.ranks.metrics[0]  # rank 0's (the server's refusals too)
         if not self._real:
             try:
-                self._install(load_mock(self.settings, model))
+                self._install(loading.load_mock(self.settings, model))
             except Exception:  # refused at start: no publisher thread is left behind
                 self.ranks.close()
                 raise
 
-    def _install(self, loaded: Loaded) -> None:
+    def _install(self, loaded: loading.Loaded) -> None:
         settings = self.settings
-        max_loras = settings.max_loras if settings.enable_lora else None
-        self.ranks.install(loaded.models, engine_config(settings), max_loras)
+        self.ranks.install(loaded.models, engine_config(settings))
         books = self.ranks.engines[0].core.scheduler.books
-        self._validator = Validator(
+        self._validator = validation.Validator(
             settings, loaded.models[0], loaded.tokenizer, loaded.grammars, books,
             settings.priority_limits(),
         )  # fmt: skip
 
-    def _loaded(self) -> Validator:
+    def _loaded(self) -> validation.Validator:
         """The model's checks; ``ModelLoadingError`` while a real model loads."""
         if self._validator is None:
             if self.load_error is not None:
@@ -136,25 +104,9 @@ class Serving:
         return self.engines[0]
 
     @property
-    def model(self) -> Model:
-        """Rank 0's model; ``ModelLoadingError`` while a real model loads."""
-        return self._loaded().model
-
-    @property
-    def grammars(self) -> GrammarCompiler:
-        """The grammar compiler for the model's vocabulary; ``ModelLoadingError`` while a real
-        model loads."""
-        return self._loaded().grammars
-
-    @property
     def tokenizer(self) -> Tokenizer:
         """The model's tokenizer; ``ModelLoadingError`` while a real model loads."""
         return self._loaded().tokenizer
-
-    @property
-    def asleep(self) -> frozenset[str]:
-        """The parts still asleep (``sleep``; empty: awake)."""
-        return self.readiness.asleep
 
     async def precompile(self, constraint: Constraint | None, param: str) -> None:
         """``Validator.precompile``: compile ``constraint`` off the event loop."""
@@ -192,8 +144,8 @@ class Serving:
 
     async def _load_and_start(self) -> None:
         try:
-            self.settings, loaded = await load_real(self.settings)
-        except LoadFailed as err:
+            self.settings, loaded = await loading.load_real(self.settings)
+        except loading.LoadFailed as err:
             self.load_error = str(err)
             return
         self._install(loaded)
@@ -236,7 +188,7 @@ class Serving:
             self.readiness.check()
             self._loaded()
             rank, stream = self.ranks.submit(seq, rank)
-        except EngineError as err:
+        except errors.EngineError as err:
             self.metrics.reject(REJECTION_REASONS.get(type(err), "engine_dead"), key)
             raise
         self.ranks.metrics[rank].attribute(stream.request_id, key)
@@ -252,7 +204,7 @@ class Serving:
         return self.engines[rank].core.has_room()
 
     def adapter(self, model: str | None) -> str | None:
-        """``lora.lora_named``: the LoRA adapter a request's ``model`` names (None: the base
+        """``app.lora.lora_named``: the LoRA adapter a request's ``model`` names (None: the base
         model); ``LookupError`` if it names neither."""
         return lora_named(self.settings, self.loras, model)
 
@@ -260,10 +212,6 @@ class Serving:
         """``Readiness.sleep`` on every rank; ``ModelLoadingError`` while a real model loads."""
         self._loaded()
         await self.readiness.sleep(level, self.engines)
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """``Readiness.wake_up``: the server serves again once nothing is asleep."""
-        self.readiness.wake_up(tags)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """End a live request early with ``reason`` (``abort``; failure injection uses
@@ -275,11 +223,6 @@ class Serving:
         """``Ranks.cancel``: abort a live request (``owner``'s only) and wait until it ends."""
         return await self.ranks.cancel(request_id, owner)
 
-    def slots(self, rank: int = 0, viewer: str | None = None) -> list[dict[str, object]]:
-        """``Ranks.slots``: rank ``rank``'s slot table now, ``viewer``'s view of it."""
-        self._loaded()
-        return self.ranks.slots(rank, viewer)
-
     def output_tokens(self, prompt_len: int, requested: int | None) -> int:
         """``validation.output_tokens`` under the current settings."""
-        return output_tokens(self.settings, prompt_len, requested)
+        return validation.output_tokens(self.settings, prompt_len, requested)

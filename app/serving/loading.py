@@ -1,15 +1,20 @@
-"""The model a server runs: a built-in mock at once, or a real model loaded in the background
-(``--model smollm2`` or ``hf:PATH``), with its tokenizer and grammar compiler."""
+"""The model a server runs: a built-in mock at once, or a real model (``--model smollm2`` or
+``hf:PATH``) loaded on a daemon thread (so the server answers ``/health`` with 503 ``loading``
+meanwhile, and a shutdown never waits for a load in progress), with its tokenizer and grammar
+compiler, and the name it is served under."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 from dataclasses import dataclass
 
 from app.config import Settings
 from app.engine.errors import EngineError
 from app.models.cached_mock import CachedMockModel
+from app.models.hf import LoadedModel, ModelLoadError, is_real_model, served_name
 from app.models.mock import MockModel
 from app.models.mock_language import MockLanguage
 from app.models.protocol import Model
@@ -83,12 +88,60 @@ def load_mock(settings: Settings, model: Model | None = None) -> Loaded:
     return Loaded(models, tokenizer, GrammarCompiler(tokenizer, grammar_budget(settings)))
 
 
-async def load_real(settings: Settings) -> tuple[Settings, Loaded]:
-    """The real model ``settings`` name, loaded off the event loop, and ``settings`` sized to
-    its KV cache; ``LoadFailed`` (logged) if it cannot be."""
-    from app.models.hf import ModelLoadError
-    from app.real_model import load, sized
+def named(settings: Settings) -> Settings:
+    """``settings`` with ``model_name`` set to the real model's name unless the user chose one
+    (a mock's settings are returned as they are)."""
+    if "model_name" in settings.model_fields_set or not is_real_model(settings.model):
+        return settings
+    return settings.model_copy(update={"model_name": served_name(settings.model)})
 
+
+async def load(settings: Settings) -> LoadedModel:
+    """``load_model`` for ``settings`` on a daemon thread. Raises its ``ModelLoadError``."""
+    from app.models.hf import load_model
+
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[LoadedModel] = loop.create_future()
+
+    def settle(result: LoadedModel | None, error: BaseException | None) -> None:
+        if done.cancelled():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            assert result is not None
+            done.set_result(result)
+
+    def report(result: LoadedModel | None, error: BaseException | None) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: the server stopped meanwhile
+            loop.call_soon_threadsafe(settle, result, error)
+
+    def work() -> None:
+        try:
+            loaded = load_model(
+                settings.model,
+                dtype=settings.dtype,
+                device=settings.device,
+                num_slots=settings.num_slots,
+                max_model_len=settings.max_model_len,
+                kv_cache_memory=int(settings.kv_cache_memory),
+                cache_dir=settings.model_cache_dir,
+                threads=settings.torch_threads,
+                quantization=settings.quantization,
+                compile=settings.compile,
+            )
+        except BaseException as exc:  # reported to the awaiting task, not lost in the thread
+            report(None, exc)
+        else:
+            report(loaded, None)
+
+    threading.Thread(target=work, name="slotserve-model-load", daemon=True).start()
+    return await done
+
+
+async def load_real(settings: Settings) -> tuple[Settings, Loaded]:
+    """The real model ``settings`` name, loaded off the event loop, and ``settings`` with the
+    context length and KV capacity its cache has; ``LoadFailed`` (logged) if it cannot be."""
     try:
         loaded = await load(settings)
     except ModelLoadError as exc:
@@ -97,7 +150,8 @@ async def load_real(settings: Settings) -> tuple[Settings, Loaded]:
     except Exception as exc:
         log.exception("model %s not loaded", settings.model)
         raise LoadFailed(repr(exc)) from None
-    settings = sized(settings, loaded)
+    sized = {"max_model_len": loaded.max_model_len, "kv_cache_tokens": loaded.kv_capacity_tokens}
+    settings = settings.model_copy(update=sized)
     try:  # the grammar engine's vocabulary: ~1 s for a 49k vocabulary, off the event loop
         budget = grammar_budget(settings)
         grammars = await asyncio.to_thread(GrammarCompiler, loaded.tokenizer, budget)

@@ -30,18 +30,14 @@ def kv_event_publisher(settings: Settings, rank: int = 0) -> KVEventPublisher | 
         return None
     from app.kv_events.publisher import KVEventPublisher, KVEventsConfig
 
+    prefixed = ("endpoint", "replay_endpoint", "topic", "buffer_steps", "int_hashes", "encoding",
+                "max_replay_clients")  # fmt: skip
     config = KVEventsConfig(
-        endpoint=settings.kv_events_endpoint,
-        replay_endpoint=settings.kv_events_replay_endpoint,
-        topic=settings.kv_events_topic,
-        buffer_steps=settings.kv_events_buffer_steps,
+        **{name: getattr(settings, f"kv_events_{name}") for name in prefixed},
         max_queue_size=settings.kv_events_queue_size,
         block_size=settings.block_size,
         hash_algo=settings.prefix_caching_hash_algo,
         hash_seed=settings.prefix_caching_hash_seed,
-        int_hashes=settings.kv_events_int_hashes,
-        encoding=settings.kv_events_encoding,
-        max_replay_clients=settings.kv_events_max_replay_clients,
         host=settings.host,
     )
     return KVEventPublisher(config, rank)
@@ -52,14 +48,13 @@ class Ranks:
     its KV-event publisher (open from the start) and its engine (``engines`` is empty until
     ``install``)."""
 
-    def __init__(self, settings: Settings, metrics: EngineMetrics) -> None:
-        self.metrics = [metrics] + [
+    def __init__(self, settings: Settings) -> None:
+        self.metrics = [
             EngineMetrics(settings.model_name, settings.num_slots, settings.profile)
-            for _ in range(1, settings.data_parallel_size)
+            for _ in range(settings.data_parallel_size)
         ]
-        self.registry = (
-            metrics.registry if len(self.metrics) == 1 else ranked_registry(self.metrics)
-        )
+        one = len(self.metrics) == 1
+        self.registry = self.metrics[0].registry if one else ranked_registry(self.metrics)
         self.events: list[KVEventPublisher | None] = []
         self.engines: list[Engine] = []
         try:
@@ -72,14 +67,13 @@ class Ranks:
             self.close()
             raise
 
-    def install(self, models: list[Model], config: EngineConfig, max_loras: int | None) -> None:
-        """One engine per rank, running ``models[rank]`` (not started); ``max_loras``: the
-        LoRA bound the metrics report (None: LoRA off)."""
+    def install(self, models: list[Model], config: EngineConfig) -> None:
+        """One engine per rank, running ``models[rank]`` (not started yet)."""
         for model, metrics, events in zip(models, self.metrics, self.events, strict=True):
             engine = Engine(model, config, observer=metrics, kv_events=events)
             metrics.bind(engine.core)
-            if max_loras is not None:
-                metrics.watch_loras(engine.core, max_loras)
+            if config.max_loras is not None:  # LoRA on
+                metrics.watch_loras(engine.core, config.max_loras)
             self.engines.append(engine)
 
     def close(self) -> None:
@@ -91,9 +85,7 @@ class Ranks:
     async def stop(self, grace: float) -> None:
         """Drain every engine (``Engine.stop``), then close the publishers."""
         await asyncio.gather(*(engine.stop(grace) for engine in self.engines))
-        for publisher in self.events:
-            if publisher is not None:
-                await asyncio.to_thread(publisher.close)
+        await asyncio.to_thread(self.close)
 
     def submit(self, seq: Sequence, rank: int | None) -> tuple[int, RequestStream]:
         """Queue ``seq`` on rank ``rank`` (None: the least loaded: fewest live requests, ties
