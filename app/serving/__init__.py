@@ -145,7 +145,7 @@ class Serving:
     async def _load_and_start(self) -> None:
         try:
             self.settings, loaded = await loading.load_real(self.settings)
-        except loading.LoadFailed as err:
+        except ModelLoadFailedError as err:
             self.load_error = str(err)
             return
         self._install(loaded)

@@ -32,10 +32,6 @@ class ModelLoadFailedError(ModelLoadingError):
     """The real model failed to load: nothing will be served (retrying does not help)."""
 
 
-class LoadFailed(Exception):
-    """Why the real model could not be loaded (the message ``ModelLoadFailedError`` shows)."""
-
-
 @dataclass(frozen=True, slots=True)
 class Loaded:
     """A model ready to serve, one per data-parallel rank (``models``; the mocks only run more
@@ -141,15 +137,16 @@ async def load(settings: Settings) -> LoadedModel:
 
 async def load_real(settings: Settings) -> tuple[Settings, Loaded]:
     """The real model ``settings`` name, loaded off the event loop, and ``settings`` with the
-    context length and KV capacity its cache has; ``LoadFailed`` (logged) if it cannot be."""
+    context length and KV capacity its cache has; ``ModelLoadFailedError`` (logged; its
+    message says why) if it cannot be."""
     try:
         loaded = await load(settings)
     except ModelLoadError as exc:
         log.error("model %s not loaded: %s", settings.model, exc)
-        raise LoadFailed(str(exc)) from None
+        raise ModelLoadFailedError(str(exc)) from None
     except Exception as exc:
         log.exception("model %s not loaded", settings.model)
-        raise LoadFailed(repr(exc)) from None
+        raise ModelLoadFailedError(repr(exc)) from None
     sized = {"max_model_len": loaded.max_model_len, "kv_cache_tokens": loaded.kv_capacity_tokens}
     settings = settings.model_copy(update=sized)
     try:  # the grammar engine's vocabulary: ~1 s for a 49k vocabulary, off the event loop
@@ -157,5 +154,7 @@ async def load_real(settings: Settings) -> tuple[Settings, Loaded]:
         grammars = await asyncio.to_thread(GrammarCompiler, loaded.tokenizer, budget)
     except Exception as exc:
         log.exception("model %s not loaded", settings.model)
-        raise LoadFailed(f"the grammar engine cannot read the tokenizer: {exc!r}") from None
+        raise ModelLoadFailedError(
+            f"the grammar engine cannot read the tokenizer: {exc!r}"
+        ) from None
     return settings, Loaded([loaded.model], loaded.tokenizer, grammars)
