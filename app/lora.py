@@ -25,10 +25,6 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from app.config import Settings
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:/@+-]{0,127}")
 MAX_PATH = 4096  # characters of a path (Linux's PATH_MAX); longer is not loadable
@@ -126,6 +122,15 @@ class LoRARegistry:
         self.adapters[name] = adapter
         return adapter
 
+    def named_by(self, model: str | None, enabled: bool) -> str | None:
+        """The adapter a request's ``model`` names (None: the base model, or unset);
+        ``LookupError`` if it names neither (an adapter too, unless ``enabled``)."""
+        if model is None or model == self.base_model:
+            return None
+        if enabled and model in self.adapters:
+            return model
+        raise LookupError(model)
+
     def unload(self, name: str) -> LoRAAdapter:
         """Forget ``name``: new requests naming it get 404; requests already using it finish
         (vLLM's answer to unloading an adapter in use: 200)."""
@@ -135,23 +140,13 @@ class LoRARegistry:
         return adapter
 
 
-def start_loras(settings: Settings) -> LoRARegistry:
-    """The registry with ``--lora-modules`` loaded (with ``--enable-lora``); ``LoRAError``
-    naming the module that cannot load."""
-    loras = LoRARegistry(settings.model_name, settings.max_cpu_loras or settings.max_loras)
-    for spec in settings.lora_modules if settings.enable_lora else ():
+def start_registry(base_model: str, max_cpu_loras: int, modules: list[str]) -> LoRARegistry:
+    """A registry with ``modules`` (``--lora-modules`` specs) loaded; ``LoRAError`` naming the
+    module that cannot load."""
+    loras = LoRARegistry(base_model, max_cpu_loras)
+    for spec in modules:
         try:
             loras.load(*parse_module(spec))
         except LoRAError as err:  # refused at start, the module named
             raise LoRAError(f"--lora-modules {spec}: {err}", err.kind) from None
     return loras
-
-
-def lora_named(settings: Settings, loras: LoRARegistry, model: str | None) -> str | None:
-    """The LoRA adapter a request's ``model`` names (None: the base model, or unset);
-    ``LookupError`` if it names neither."""
-    if model is None or model == settings.model_name:
-        return None
-    if settings.enable_lora and model in loras.adapters:
-        return model
-    raise LookupError(model)

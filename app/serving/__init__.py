@@ -19,7 +19,7 @@ from app.engine import errors
 from app.engine.engine import Engine
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
-from app.lora import lora_named, start_loras
+from app.lora import start_registry
 from app.models.hf import is_real_model
 from app.models.protocol import Model
 from app.models.tokenizer import Tokenizer
@@ -60,7 +60,9 @@ class Serving:
         self._loading: asyncio.Task[None] | None = None
         self._validator: validation.Validator | None = None  # set once the model is installed
         self.readiness = Readiness()
-        self.loras = start_loras(self.settings)
+        modules = settings.lora_modules if settings.enable_lora else []
+        max_cpu_loras = settings.max_cpu_loras or settings.max_loras
+        self.loras = start_registry(self.settings.model_name, max_cpu_loras, modules)
         if settings.data_parallel_size > 1 and (model is not None or self._real):
             raise errors.UnsupportedFeatureError(
                 "--data-parallel-size > 1 runs one built-in mock per rank (not a given or real "
@@ -204,9 +206,9 @@ class Serving:
         return self.engines[rank].core.has_room()
 
     def adapter(self, model: str | None) -> str | None:
-        """``app.lora.lora_named``: the LoRA adapter a request's ``model`` names (None: the base
+        """``LoRARegistry.named_by``: the LoRA adapter a request's ``model`` names (None: the base
         model); ``LookupError`` if it names neither."""
-        return lora_named(self.settings, self.loras, model)
+        return self.loras.named_by(model, self.settings.enable_lora)
 
     async def sleep(self, level: int) -> None:
         """``Readiness.sleep`` on every rank; ``ModelLoadingError`` while a real model loads."""
