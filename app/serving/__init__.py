@@ -68,7 +68,7 @@ class Serving:
                 "--data-parallel-size > 1 runs one built-in mock per rank (not a given or real "
                 "model)"
             )
-        self.ranks = Ranks(self.settings)  # opens the KV-event publishers
+        self.ranks = Ranks(self.settings, lambda: self.readiness.level)  # opens the publishers
         self.metrics = self.ranks.metrics[0]  # rank 0's (the server's refusals too)
         if not self._real:
             try:

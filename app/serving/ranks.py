@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from app.config import Settings
@@ -48,11 +49,15 @@ class Ranks:
     its KV-event publisher (open from the start) and its engine (``engines`` is empty until
     ``install``)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, sleep_level: Callable[[], int]) -> None:
         self.metrics = [
-            EngineMetrics(settings.model_name, settings.num_slots, settings.profile)
+            EngineMetrics(
+                settings.model_name, settings.num_slots, settings.profile, settings.max_model_len
+            )
             for _ in range(settings.data_parallel_size)
         ]
+        for metrics in self.metrics:  # vllm:engine_sleep_state
+            metrics.watch_sleep(sleep_level)
         one = len(self.metrics) == 1
         self.registry = self.metrics[0].registry if one else ranked_registry(self.metrics)
         self.events: list[KVEventPublisher | None] = []
@@ -151,7 +156,7 @@ class Ranks:
         ``viewer``: the API key's name asking (None: no keys, every entry whole); another
         key's request shows without its ``request_id`` and ``user``."""
         scheduler, now = self.engines[rank].core.scheduler, time.monotonic()
-        table, scheduling = scheduler.slots, scheduler.scheduling
+        table, scheduling = scheduler.slots, scheduler.policy
         out_of_service = table.out_of_service
         out: list[dict[str, object]] = []
         for index in range(table.capacity):
