@@ -144,14 +144,15 @@ def serve(settings: Settings) -> None:
     from app.engine.errors import UnsupportedFeatureError
     from app.kv_events.publisher import KVEventsError
     from app.lora import LoRAError
+    from app.models.hf import is_real_model
     from app.models.hf.errors import ModelLoadError
-    from app.real_model import named, wants_real_model
     from app.server import run
+    from app.serving.loading import named
 
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
-    if wants_real_model(settings):
+    if is_real_model(settings.model):
         check_real_model(settings)
         settings = named(settings)
     names = ", ".join(settings.api_keys().names) or "none (no authentication)"

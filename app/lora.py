@@ -122,6 +122,15 @@ class LoRARegistry:
         self.adapters[name] = adapter
         return adapter
 
+    def named_by(self, model: str | None, enabled: bool) -> str | None:
+        """The adapter a request's ``model`` names (None: the base model, or unset);
+        ``LookupError`` if it names neither (an adapter too, unless ``enabled``)."""
+        if model is None or model == self.base_model:
+            return None
+        if enabled and model in self.adapters:
+            return model
+        raise LookupError(model)
+
     def unload(self, name: str) -> LoRAAdapter:
         """Forget ``name``: new requests naming it get 404; requests already using it finish
         (vLLM's answer to unloading an adapter in use: 200)."""
@@ -129,3 +138,15 @@ class LoRARegistry:
         if adapter is None:
             raise LoRAError(f"The lora adapter '{name}' cannot be found.", "not_found")
         return adapter
+
+
+def start_registry(base_model: str, max_cpu_loras: int, modules: list[str]) -> LoRARegistry:
+    """A registry with ``modules`` (``--lora-modules`` specs) loaded; ``LoRAError`` naming the
+    module that cannot load."""
+    loras = LoRARegistry(base_model, max_cpu_loras)
+    for spec in modules:
+        try:
+            loras.load(*parse_module(spec))
+        except LoRAError as err:  # refused at start, the module named
+            raise LoRAError(f"--lora-modules {spec}: {err}", err.kind) from None
+    return loras

@@ -88,7 +88,7 @@ async def per_step_us(n: int, seed: int, events: bool) -> tuple[float, float, in
     config = EngineConfig(
         num_slots=SLOTS, max_waiting=n, max_num_batched_tokens=2048, block_size=BS,
         kv_cache_tokens=6000 * BS, max_model_len=1024, enable_prefix_caching=True,
-        kv_events=events,
+        record_kv_events=events,
     )  # fmt: skip
     publisher = None
     ctx = multiprocessing.get_context("spawn")

@@ -39,7 +39,7 @@ async def server_version() -> dict[str, str]:
 @router.get("/metrics")
 async def metrics(serving: ServingDep) -> Response:
     """Prometheus text format, vLLM metric names (``vllm:*``) plus ``slotserve:*``."""
-    return Response(generate_latest(serving.metrics_registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(serving.ranks.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/slots")
@@ -51,12 +51,12 @@ async def slots(serving: ServingDep, key_name: KeyNameDep) -> dict[str, Any]:
         "num_slots": engine.config.num_slots,
         "running": engine.core.num_running,
         "waiting": engine.core.num_waiting,
-        "slots": serving.slots(viewer=key_name),
+        "slots": serving.ranks.slots(0, key_name),
     }
     if len(serving.engines) > 1:  # --data-parallel-size: the above is rank 0's; every rank's
         table["ranks"] = [
             {"rank": rank, "num_slots": e.config.num_slots, "running": e.core.num_running,
-             "waiting": e.core.num_waiting, "slots": serving.slots(rank, key_name)}
+             "waiting": e.core.num_waiting, "slots": serving.ranks.slots(rank, key_name)}
             for rank, e in enumerate(serving.engines)
         ]  # fmt: skip
     return table

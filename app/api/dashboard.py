@@ -92,7 +92,7 @@ class DashboardFeed:
     def frame(self) -> dict[str, Any]:
         """The current state of every rank, plus rates since the previous frame."""
         serving, now = self.serving, time.monotonic()
-        totals = [metrics.totals for metrics in serving.rank_metrics]
+        totals = [metrics.totals for metrics in serving.ranks.metrics]
         steps = sum(t.steps for t in totals)
         seconds = sum(t.step_seconds for t in totals)
         generated = sum(t.generated for t in totals)

@@ -36,7 +36,7 @@ async def wake_up(
 ) -> Response:
     """Wake the named parts up (``weights``, ``kv_cache``; none named: everything)."""
     try:
-        serving.wake_up(tags or None)
+        serving.readiness.wake_up(tags or None)
     except ValueError as err:
         raise InvalidField(str(err), param="tags", code="invalid_wake_up_tag") from None
     return Response()
@@ -45,4 +45,4 @@ async def wake_up(
 @router.get("/is_sleeping")
 async def is_sleeping(serving: ServingDep) -> dict[str, bool]:
     """vLLM's ``GET /is_sleeping``: true from ``/sleep`` until a full ``/wake_up``."""
-    return {"is_sleeping": bool(serving.asleep)}
+    return {"is_sleeping": bool(serving.readiness.asleep)}

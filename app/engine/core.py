@@ -14,10 +14,9 @@ from itertools import islice
 from typing import Any, Protocol
 
 from app.engine.errors import DuplicateRequestError, QueueFullError
-from app.engine.policies import FCFS, PolicyConfig
 from app.engine.prefix_cache import CacheEvent
 from app.engine.runner import ModelRunner, close_quietly
-from app.engine.scheduler import BatchingPolicy, Scheduler, SchedulerConfig, set_status
+from app.engine.scheduler import Scheduler, SchedulerConfig, set_status
 from app.engine.snapshot import WAITING_SHOWN, EngineSnapshot, SlotView
 from app.engine.step import ModelOutput, SchedulerOutput, StepOutcome
 from app.engine.step_clock import NO_STEP_TIME, StepTimeModel
@@ -28,25 +27,15 @@ log = logging.getLogger("slotserve.engine")
 
 
 @dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """The engine's limits; see ``SchedulerConfig`` for the token budget and KV fields."""
+class EngineConfig(SchedulerConfig):
+    """The engine's limits: the scheduler's (a ``SchedulerConfig``, handed to the scheduler
+    whole: a new scheduler setting is a field there) and the engine's own below."""
 
     num_slots: int = 8
-    max_waiting: int = 1024  # requests that may wait beyond the free slots before submit() refuses
-    policy: BatchingPolicy = BatchingPolicy.CONTINUOUS
-    max_num_batched_tokens: int | None = None
-    max_prefill_chunk: int | None = None
-    block_size: int = 16
-    kv_cache_tokens: int | None = None
-    max_model_len: int | None = None
-    scheduling: PolicyConfig = FCFS  # the scheduling policy (app/engine/policies.py)
-    enable_prefix_caching: bool = False
-    # Publish the prefix cache's changes (KV events) to the engine's ``KVEventSink``.
-    kv_events: bool = False
-    max_loras: int | None = None  # LoRA: distinct adapters per batch (None: LoRA off)
     # n > 1: choices after the first fork from its prompt cache (``Engine`` turns it off for a
-    # model that cannot share prompts; see ``SchedulerConfig.share_prompts``)
+    # model that cannot share prompts)
     share_prompts: bool = True
+    max_waiting: int = 1024  # requests that may wait beyond the free slots before submit() refuses
     step_costs: StepTimeModel = NO_STEP_TIME  # the simulated step time (zero: none)
     step_jitter: float = 0.0  # the step clock's jitter (std-dev / mean)
     # A request may be scheduled ``admission_delay`` seconds after it arrived (the API time of
@@ -58,22 +47,6 @@ class EngineConfig:
     # Run each model call in a worker thread, unless the model declares ``blocking = False``
     # (its calls are quick and never wait: a thread hop would cost more than the call).
     offload_model_calls: bool = True
-
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(
-            num_slots=self.num_slots,
-            policy=self.policy,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_prefill_chunk=self.max_prefill_chunk,
-            block_size=self.block_size,
-            kv_cache_tokens=self.kv_cache_tokens,
-            max_model_len=self.max_model_len,
-            scheduling=self.scheduling,
-            enable_prefix_caching=self.enable_prefix_caching,
-            record_kv_events=self.kv_events and self.enable_prefix_caching,
-            max_loras=self.max_loras,
-            share_prompts=self.share_prompts,
-        )
 
 
 def _slot_view(seq: Sequence | None) -> SlotView | None:
@@ -117,9 +90,9 @@ class EngineCore:
         kv_events: KVEventSink | None = None,
     ) -> None:
         self.config = config
-        self.kv_events = kv_events if config.kv_events else None
+        self.kv_events = kv_events if config.record_kv_events else None
         self.runner = runner
-        self.scheduler = Scheduler(config.scheduler_config())
+        self.scheduler = Scheduler(config)
         self.live: dict[str, RequestStream] = {}
         # Live requests with an abort on its way through the inbox: they no longer count
         # against the queue bound, so a client that cancels can submit again at once.

@@ -65,7 +65,7 @@ async def test_min_tokens_holds_against_the_stop_token_and_stop_strings(
 ) -> None:
     async with make_client(model, num_slots=8) as client:
         serving = client.serving  # type: ignore[attr-defined]
-        serving.model.language = type(serving.model.language)(stop_probability=0.9)
+        serving.engine.model.language = type(serving.engine.model.language)(stop_probability=0.9)
         short = await _completion(client, max_tokens=200)
         assert (
             short["usage"]["completion_tokens"] < 30

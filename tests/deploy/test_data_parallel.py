@@ -66,7 +66,7 @@ async def test_each_rank_publishes_its_own_kv_events(
                            kv_events_endpoint=endpoint,
                            kv_events_replay_endpoint=replay) as client:  # fmt: skip
         serving = serving_of(client)
-        publishers = serving.rank_events
+        publishers = serving.ranks.events
         assert [p.endpoint for p in publishers if p] == [endpoint, f"{endpoint}_dp1"]
         decoder = msgspec.msgpack.Decoder(V026Batch)  # (the default encoding)
         subs = [Subscriber(p.endpoint, str(p.replay_endpoint), decoder=decoder)

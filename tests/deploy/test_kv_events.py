@@ -52,7 +52,7 @@ def engine_config() -> EngineConfig:
     return EngineConfig(
         num_slots=6, max_waiting=1000, max_num_batched_tokens=24, block_size=BS,
         kv_cache_tokens=40 * BS, max_model_len=30 * BS, enable_prefix_caching=True,
-        kv_events=True,
+        record_kv_events=True,
     )  # fmt: skip
 
 

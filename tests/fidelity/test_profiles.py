@@ -59,7 +59,7 @@ def test_a_profile_sets_the_step_clock_and_the_limits() -> None:
     assert config.step_costs.seconds(StepWork.counts(1024, 0)) == pytest.approx(
         (16442 + 47.8 * 1024) / 1e6
     )
-    assert config.scheduler_config().kv_binds  # 256 x 8192 tokens would need more
+    assert config.kv_binds  # 256 x 8192 tokens would need more
 
 
 def test_flags_set_explicitly_win_over_the_profile() -> None:
@@ -144,7 +144,7 @@ def test_the_profiles_own_kv_capacity_preempts_and_every_request_completes_exact
     everyone completes with exactly the tokens it gets alone, and usage never exceeds 1."""
     settings = Settings(profile=H100, mock_stop_probability=0.0)
     language = MockLanguage(stop_probability=0.0)
-    scheduler = Scheduler(engine_config(settings).scheduler_config())
+    scheduler = Scheduler(engine_config(settings))
     runner = make_runner(CachedMockModel(settings.num_slots, language), settings.num_slots)
     seqs = [
         Sequence(f"r{i}", [i % 250] * 8 + [65 + i % 26] * 1592, 400, frozenset({256}))

@@ -143,7 +143,7 @@ def test_torch_threads_are_set_when_asked(checkpoint: Path) -> None:
 
 def test_a_real_model_is_served_under_its_name_unless_one_is_given(checkpoint: Path) -> None:
     from app.config import Settings
-    from app.real_model import named
+    from app.serving.loading import named
 
     assert named(Settings(model=f"hf:{checkpoint}")).model_name == checkpoint.name
     assert named(Settings(model="smollm2")).model_name == "SmolLM2-135M-Instruct"
