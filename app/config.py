@@ -219,6 +219,13 @@ class Settings(BaseSettings):
     kv_events_int_hashes: bool = Field(
         True, description="KV events carry block hashes as 64-bit integers (else the bytes)"
     )
+    show_hidden_metrics_for_version: str | None = Field(
+        None, max_length=32,
+        description="vLLM's flag: also export metrics under the names vLLM used before renaming "
+        "them (vllm:gpu_cache_usage_perc, vllm:gpu_prefix_cache_queries/hits, "
+        "vllm:time_per_output_token_seconds), for dashboards and routers built for older vLLM; "
+        "any version turns them on",
+    )  # fmt: skip
     kv_events_encoding: Literal["array", "map", "map-batch"] = Field(
         "map",
         description="KV-event msgpack layout: map (vLLM 0.24+: events as maps in an array "

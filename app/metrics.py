@@ -170,8 +170,9 @@ class RankedMetrics(Collector):
 
     UNLABELLED = frozenset({"vllm:lora_requests_info", "vllm:admission_rejections"})
 
-    def __init__(self, registries: Seq[CollectorRegistry]) -> None:
+    def __init__(self, registries: Seq[CollectorRegistry], deprecated: bool = False) -> None:
         self.registries = registries
+        self.deprecated = deprecated
 
     def collect(self) -> Iterable[Metric]:
         merged: dict[str, Metric] = {}
@@ -187,6 +188,32 @@ class RankedMetrics(Collector):
                     target.add_sample(sample.name, labels, sample.value, sample.timestamp,
                                       sample.exemplar)  # fmt: skip
         yield from merged.values()
+        if self.deprecated:
+            yield from _renamed(merged)
+
+
+# vLLM's names before it renamed them (0.10-0.11), exported beside the new ones with
+# --show-hidden-metrics-for-version, as vLLM shows metrics it has hidden: dashboards and routers
+# built for older vLLM (vLLM's own example Grafana dashboard among them) find their series.
+DEPRECATED_NAMES = {
+    "vllm:kv_cache_usage_perc": "vllm:gpu_cache_usage_perc",
+    "vllm:prefix_cache_queries": "vllm:gpu_prefix_cache_queries",
+    "vllm:prefix_cache_hits": "vllm:gpu_prefix_cache_hits",
+    "vllm:inter_token_latency_seconds": "vllm:time_per_output_token_seconds",
+}
+
+
+def _renamed(families: dict[str, Metric]) -> Iterable[Metric]:
+    """The families of ``DEPRECATED_NAMES`` again under their older names."""
+    for name, old in DEPRECATED_NAMES.items():
+        family = families.get(name)
+        if family is None:
+            continue
+        copy = Metric(old, f"{family.documentation} (deprecated name)", family.type, family.unit)
+        for sample in family.samples:
+            copy.add_sample(sample.name.replace(name, old, 1), sample.labels, sample.value,
+                            sample.timestamp, sample.exemplar)  # fmt: skip
+        yield copy
 
 
 @dataclass(slots=True)
@@ -198,10 +225,11 @@ class StepTotals:
     generated: int = 0
 
 
-def ranked_registry(ranks: Seq[EngineMetrics]) -> CollectorRegistry:
-    """One registry exporting every rank's metrics (``RankedMetrics``)."""
+def ranked_registry(ranks: Seq[EngineMetrics], deprecated: bool = False) -> CollectorRegistry:
+    """One registry exporting every rank's metrics (``RankedMetrics``; ``deprecated``: also
+    under vLLM's older names)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(RankedMetrics([metrics.families for metrics in ranks]))
+    registry.register(RankedMetrics([metrics.families for metrics in ranks], deprecated))
     return registry
 
 

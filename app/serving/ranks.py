@@ -58,8 +58,8 @@ class Ranks:
         ]
         for metrics in self.metrics:  # vllm:engine_sleep_state
             metrics.watch_sleep(sleep_level)
-        one = len(self.metrics) == 1
-        self.registry = self.metrics[0].registry if one else ranked_registry(self.metrics)
+        deprecated = settings.show_hidden_metrics_for_version is not None
+        self.registry = ranked_registry(self.metrics, deprecated)
         self.events: list[KVEventPublisher | None] = []
         self.engines: list[Engine] = []
         try:
