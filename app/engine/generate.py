@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from itertools import chain
+from operator import countOf
 
 from app.engine.errors import ModelError
 from app.engine.runner import ModelRunner, close_quietly, make_runner
@@ -79,7 +80,7 @@ def validate_requests(requests: list[Request], num_slots: int, stop_token: int) 
         and min(limits, default=0) >= 0
         and set(map(type, prompts)) <= {list}
         and all(prompts)
-        and set(map(type, chain.from_iterable(prompts))) <= {int}
+        and countOf(map(type, chain.from_iterable(prompts)), int) == sum(map(len, prompts))
     )
     if not valid:
         _find_invalid(requests)
