@@ -34,7 +34,6 @@ from __future__ import annotations
 from bisect import insort
 from dataclasses import dataclass
 from enum import StrEnum
-from itertools import repeat
 from operator import attrgetter
 
 from app.engine.errors import ModelOutputError
@@ -563,15 +562,15 @@ class Scheduler:
         skipped = dropped = 0
         # (tokens: then the prefills' tokens) a token needs the end rules if it is a stop token
         # or the request's last, or if the request needs them for every token or has left its
-        # slot (``fast_until``: 0)
-        rows = zip(seqs, tokens, repeat(None) if logprobs is None else logprobs, strict=False)
-        for seq, token, logprob in rows:
+        # slot (``fast_until``: 0); pairs, not triples with the log probabilities: quicker
+        logprob = None if logprobs is None else dict(zip(seqs, logprobs, strict=False)).get
+        for seq, token in zip(seqs, tokens, strict=False):
             prefix = seq.tokens  # (a local: read once, it saves a fifth of the loop's time)
             if token in seq.stop_token_ids or len(prefix) >= seq.fast_until:
                 if seq.status is not running:
                     skipped += 1  # aborted or preempted while the model ran: token dropped
                 else:
-                    dropped += self._append(seq, token, now, finished, logprob)
+                    dropped += self._append(seq, token, now, finished, logprob and logprob(seq))
             else:
                 prefix.append(token)  # one token, not the last: the request has computed it
         outcome.num_generated += len(seqs) - skipped - dropped
