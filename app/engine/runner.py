@@ -229,7 +229,7 @@ class ConstrainedRows:
             self._decodes = decodes
             self._rows = [(i, seq) for i, seq in enumerate(decodes) if seq.constraint is not None]
         found = self._rows if constrained else []
-        if countOf(map(_CONSTRAINT, sampled), None) == len(sampled):  # (none has a grammar)
+        if countOf(map(attrgetter("constraint"), sampled), None) == len(sampled):  # no grammar
             return found
         base = len(decodes)
         extra = [(base + i, seq) for i, seq in enumerate(sampled) if seq.constraint is not None]
@@ -307,7 +307,6 @@ def make_runner(model: Model, num_slots: int, pad_sequence: list[int] | None = N
 
 
 _TOKENS, _SAMPLE, _PLAIN = attrgetter("tokens"), attrgetter("sample"), attrgetter("sampling.plain")
-_CONSTRAINT = attrgetter("constraint")
 
 
 def model_output(

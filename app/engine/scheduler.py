@@ -270,8 +270,7 @@ class Scheduler:
             decoding, self._free_blocks = self._decoding, UNBOUNDED
         out = SchedulerOutput(decoding, now, not self._unplain, self._constrained > 0)
         budget = self._budget - len(decoding)
-        if self._prefilling:
-            budget = self._chunk_prefills(out, budget)
+        budget = self._chunk_prefills(out, budget) if self._prefilling else budget
         if self.slots.num_free and self.waiting:
             budget = self._admit(out, budget, now)
         while len(self._prefilling) > 1 and out.empty:  # prefills that filled the cache

@@ -10,12 +10,9 @@ place a request's tokens and state change after a model call.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from operator import attrgetter, countOf
 
 from app.engine.types import Sequence
 from app.models.protocol import Logprobs, PrefillChunk
-
-_SAMPLE = attrgetter("sample")
 
 
 @dataclass(slots=True)
@@ -69,7 +66,7 @@ class SchedulerOutput:
     @property
     def num_outputs(self) -> int:
         """Tokens the model must return: one per decode, one per sampling prefill chunk."""
-        return len(self.decode_seqs) + countOf(map(_SAMPLE, self.prefills), True)
+        return len(self.decode_seqs) + [chunk.sample for chunk in self.prefills].count(True)
 
     @property
     def empty(self) -> bool:
