@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from itertools import chain
+from operator import countOf
 
 from app.engine.errors import ModelError
 from app.engine.runner import ModelRunner, close_quietly, make_runner
@@ -73,15 +74,14 @@ def validate_requests(requests: list[Request], num_slots: int, stop_token: int) 
         raise ValueError(f"stop_token must be an integer, got {stop_token!r}")
     prompts = [r.prompt for r in requests]
     limits = [r.max_tokens for r in requests]
-    valid = (
+    if not (
         len({r.request_id for r in requests}) == len(requests)
         and set(map(type, limits)) <= {int}
         and min(limits, default=0) >= 0
         and set(map(type, prompts)) <= {list}
         and all(prompts)
-        and set(map(type, chain.from_iterable(prompts))) <= {int}
-    )
-    if not valid:
+        and countOf(map(type, chain.from_iterable(prompts)), int) == sum(map(len, prompts))
+    ):
         _find_invalid(requests)
 
 

@@ -229,7 +229,7 @@ class ConstrainedRows:
             self._decodes = decodes
             self._rows = [(i, seq) for i, seq in enumerate(decodes) if seq.constraint is not None]
         found = self._rows if constrained else []
-        if not any(seq.constraint is not None for seq in sampled):
+        if countOf(map(attrgetter("constraint"), sampled), None) == len(sampled):  # no grammar
             return found
         base = len(decodes)
         extra = [(base + i, seq) for i, seq in enumerate(sampled) if seq.constraint is not None]

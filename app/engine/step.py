@@ -66,7 +66,7 @@ class SchedulerOutput:
     @property
     def num_outputs(self) -> int:
         """Tokens the model must return: one per decode, one per sampling prefill chunk."""
-        return len(self.decode_seqs) + sum(1 for chunk in self.prefills if chunk.sample)
+        return len(self.decode_seqs) + [chunk.sample for chunk in self.prefills].count(True)
 
     @property
     def empty(self) -> bool:
