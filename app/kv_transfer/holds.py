@@ -61,6 +61,11 @@ class Holds:
             self.blocks -= len(held.block_ids)
         return held
 
+    @property
+    def next_expiry(self) -> float | None:
+        """When the oldest hold is let go unpulled (None: nothing is held)."""
+        return next(iter(self._held.values())).expires if self._held else None
+
     def expire(self, now: float) -> int:
         """Let go every hold past its time; returns how many."""
         gone = 0
