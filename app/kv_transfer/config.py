@@ -11,7 +11,10 @@ Role = Literal["kv_producer", "kv_consumer", "kv_both"]
 ROLES: tuple[Role, ...] = ("kv_producer", "kv_consumer", "kv_both")
 # The connectors whose request/response parameters this simulation speaks (the pull-based ones
 # the vLLM router's ``--kv-connector`` values and llm-d configure).
-CONNECTORS = ("NixlConnector", "MooncakeConnector", "P2pNcclConnector", "LMCacheConnectorV1")
+CONNECTORS = (
+    "NixlConnector", "MooncakeConnector", "MoRIIOConnector", "P2pNcclConnector",
+    "LMCacheConnectorV1",
+)  # fmt: skip
 MAX_CONFIG_BYTES = 64 * 1024
 
 
