@@ -61,11 +61,12 @@ def pd_router(tmp_path: Path, setup: Setup) -> AbstractContextManager[VllmRouter
 
 def ask(url: str, chat: bool, stream: bool, max_tokens: int = 12) -> str:
     """The reply's text through ``url`` (a stream read to its ``[DONE]``)."""
-    fields = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    fields: dict[str, object] = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0}
+    fields["stream"] = stream
+    body: dict[str, object] = {"prompt": PROMPT}
+    route = "/v1/completions"
     if chat:
         route, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}]}
-    else:
-        route, body = "/v1/completions", {"prompt": PROMPT}
     with client(timeout=30) as http:
         if not stream:
             answer = http.post(url + route, json=body | fields)
