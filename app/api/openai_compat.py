@@ -112,7 +112,8 @@ async def _transfer(
     want = kv_transfer.intent(serving, body.kv_transfer_params)
     if want is None:
         return ""
-    internal.remote_decode = want.remote_decode
+    # a streamed answer cannot say where the blocks are: only a whole one holds them
+    internal.remote_decode = want.remote_decode and not internal.stream
     internal.remote_tokens, note = await kv_transfer.receive(
         request, serving, want, len(internal.prompt)
     )

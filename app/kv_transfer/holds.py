@@ -1,8 +1,9 @@
 """The producer's held blocks: a finished prefill's KV, kept for the decoder that will pull it.
 
 Held blocks count as used in the KV books until ``take`` (the pull) or ``expire`` (after
-``hold_seconds``) lets them go; at most ``max_held`` requests are held at once (the oldest goes
-first past that, as if it expired). The block ids are this server's names for the blocks, handed
+``hold_seconds``) lets them go; at most ``max_held`` requests, and half the cache's blocks, are
+held at once (past that the oldest go first, as if they expired: requests nobody pulls cannot
+starve the cache). The block ids are this server's names for the blocks, handed
 out in turn; they only have to match between the answer and the pull.
 """
 
@@ -45,7 +46,9 @@ class Holds:
     def hold(self, request_id: str, num_blocks: int, num_tokens: int, now: float) -> Held:
         """Keep ``num_blocks`` blocks for ``request_id``; returns what its answer names."""
         self.take(request_id)  # a reused id replaces its older hold
-        while len(self._held) >= self._max_held:
+        while self._held and (
+            len(self._held) >= self._max_held or self.blocks + num_blocks > self._total // 2
+        ):
             self._drop(next(iter(self._held)))
         first, self._next_id = self._next_id, (self._next_id + num_blocks) % self._total
         ids = tuple((first + i) % self._total for i in range(num_blocks))

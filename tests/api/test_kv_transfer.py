@@ -39,7 +39,8 @@ async def pair(**producer: Any) -> AsyncIterator[tuple[httpx.AsyncClient, httpx.
     ):
         transfer = serving_of(cons).kv_transfer
         assert transfer is not None
-        transfer._client = httpx.AsyncClient(transport=httpx.ASGITransport(app=prod.asgi_app))  # type: ignore[attr-defined]
+        producer_app = prod.asgi_app  # type: ignore[attr-defined]
+        transfer._client = httpx.AsyncClient(transport=httpx.ASGITransport(app=producer_app))
         yield prod, cons
 
 
@@ -197,3 +198,54 @@ async def test_the_fetch_route_answers_404_with_a_code() -> None:
         assert other.status_code == 404 and other.json()["error"]["code"] == "unknown_engine"
         bad = await prod.post("/v1/kv_transfer/fetch", json={"engine_id": 3})
         assert bad.status_code == 400
+
+
+async def test_a_streamed_prefill_holds_nothing() -> None:
+    async with pair() as (prod, _):
+        payload = body(max_tokens=1, stream=True, kv_transfer_params=PREFILL_ASK)
+        answer = await prod.post("/v1/completions", json=payload)
+        assert answer.status_code == 200 and usage(serving_of(prod)) == 0
+
+
+class SlowFirstPull(httpx.AsyncBaseTransport):
+    """The producer's app, but the first call never answers (a pull still on its way)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner, self.calls = inner, 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.calls += 1
+        if self.calls == 1:
+            await asyncio.Event().wait()
+        return await self.inner.handle_async_request(request)
+
+
+class LeavingClient:
+    """Just what ``until_disconnected`` reads of a request: its client leaves at once."""
+
+    class url:
+        path = "/v1/completions"
+
+    async def receive(self) -> dict[str, str]:
+        await asyncio.sleep(0)
+        return {"type": "http.disconnect"}
+
+
+async def test_a_client_leaving_during_the_pull_still_frees_the_producers_blocks() -> None:
+    from app.api import kv_transfer
+    from app.api.streaming import ClientGone
+
+    async with pair() as (prod, cons):
+        params = await prefill(prod)
+        assert usage(serving_of(prod)) > 0
+        serving = serving_of(cons)
+        transfer = serving.kv_transfer
+        assert transfer is not None
+        producer_app = prod.asgi_app  # type: ignore[attr-defined]
+        slow = SlowFirstPull(httpx.ASGITransport(app=producer_app))
+        transfer._client = httpx.AsyncClient(transport=slow)
+        want = kv_transfer.intent(serving, params)
+        with pytest.raises(ClientGone):
+            await kv_transfer.receive(LeavingClient(), serving, want, 50)  # type: ignore[arg-type]
+        await asyncio.gather(*transfer._releases)  # the release fetch, in the background
+        assert usage(serving_of(prod)) == 0

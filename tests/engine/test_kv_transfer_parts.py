@@ -86,6 +86,16 @@ def test_held_blocks_count_until_pulled_or_expired_and_the_oldest_goes_past_the_
     assert holds.expire(now=8.0) == 1 and holds.blocks == 0
 
 
+def test_holds_never_take_more_than_half_the_cache() -> None:
+    """Prefills nobody pulls (a client asking for holds it never fetches) cannot starve the
+    cache: past half its blocks the oldest hold goes, as if it expired."""
+    holds = Holds(total_blocks=10, hold_seconds=60.0)
+    holds.hold("a", 3, 48, now=0.0)
+    holds.hold("b", 2, 32, now=0.0)
+    holds.hold("c", 2, 32, now=0.0)  # 7 > 5: "a" goes
+    assert holds.take("a") is None and holds.blocks == 4 and holds.expired == 1
+
+
 @given(st.lists(st.tuples(st.sampled_from("abcd"), st.integers(0, 4), st.booleans())))
 def test_held_blocks_always_equal_the_sum_of_the_holds(ops: list[tuple[str, int, bool]]) -> None:
     holds, reference = Holds(total_blocks=7, max_held=3), dict[str, int]()
@@ -95,8 +105,8 @@ def test_held_blocks_always_equal_the_sum_of_the_holds(ops: list[tuple[str, int,
             reference.pop(rid, None)
         else:
             reference.pop(rid, None)
-            if len(reference) >= 3:
-                reference.pop(next(iter(reference)))
+            while reference and (len(reference) >= 3 or sum(reference.values()) + blocks > 3):
+                reference.pop(next(iter(reference)))  # past 3 holds or half the 7 blocks
             holds.hold(rid, blocks, blocks * 16, float(now))
             reference[rid] = blocks
         assert holds.blocks == sum(reference.values()) and len(holds) == len(reference)
