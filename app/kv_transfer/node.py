@@ -86,6 +86,7 @@ class KVTransfer:
     port: int
     peers: frozenset[str] | None = None
     tp_size: int = 1
+    key: bytes | None = field(default=None, repr=False)  # its pulls' API key (--api-key)
     _client: httpx.AsyncClient | None = field(default=None, repr=False)
     _releases: set[asyncio.Task[Pulled]] = field(default_factory=set, repr=False)
 
@@ -106,7 +107,9 @@ class KVTransfer:
         peers = None
         if settings.kv_transfer_peers is not None:
             peers = frozenset(p.strip() for p in settings.kv_transfer_peers.split(",") if p.strip())
-        return cls(config, link, host, settings.port, peers, settings.tensor_parallel_size)
+        keys = settings.api_keys().keys  # a deployment's servers share their keys
+        key = keys[0].secret if keys else None
+        return cls(config, link, host, settings.port, peers, settings.tensor_parallel_size, key)
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -139,7 +142,7 @@ class KVTransfer:
         """Pull ``blocks`` from their producer, then wait for their KV to cross the link.
         ``Pulled.num_tokens``: the prompt's leading tokens now computed (at most
         ``prompt_len - 1``: the last is fed, to sample from); a failure pulls nothing."""
-        pulled = await pull(self.client, blocks, self.peers)
+        pulled = await pull(self.client, blocks, self.peers, self.key)
         if pulled.failure is not None:
             return pulled
         tokens = min(pulled.num_tokens, prompt_len - 1)
@@ -149,6 +152,7 @@ class KVTransfer:
     def release(self, blocks: RemoteBlocks) -> None:
         """The consumer gave up on ``blocks`` (its client left while they were on their way):
         fetch them anyway, in the background, so the producer lets them go now."""
-        task = asyncio.get_running_loop().create_task(pull(self.client, blocks, self.peers))
+        pull_ = pull(self.client, blocks, self.peers, self.key)
+        task = asyncio.get_running_loop().create_task(pull_)
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)

@@ -42,9 +42,14 @@ def trusted(host: str, peers: frozenset[str] | None) -> bool:
 
 
 async def pull(
-    client: httpx.AsyncClient, blocks: RemoteBlocks, peers: frozenset[str] | None = None
+    client: httpx.AsyncClient,
+    blocks: RemoteBlocks,
+    peers: frozenset[str] | None = None,
+    key: bytes | None = None,
 ) -> Pulled:
-    """Fetch ``blocks`` from their producer (never raises: a failure is a ``Pulled.failure``)."""
+    """Fetch ``blocks`` from their producer (never raises: a failure is a ``Pulled.failure``).
+    ``key``: the API key the pull carries (a producer started with ``--api-key``), sent to a
+    trusted peer only."""
     if not trusted(blocks.host, peers):
         return Pulled(failure="untrusted_peer")
     host = f"[{blocks.host}]" if ":" in blocks.host else blocks.host
@@ -55,7 +60,11 @@ async def pull(
     }
     try:
         async with client.stream(
-            "POST", f"http://{host}:{blocks.port}{FETCH_PATH}", json=body, timeout=PULL_TIMEOUT
+            "POST",
+            f"http://{host}:{blocks.port}{FETCH_PATH}",
+            json=body,
+            timeout=PULL_TIMEOUT,
+            headers={b"authorization": b"Bearer " + key} if key is not None else None,
         ) as answer:
             raw = b""
             async for chunk in answer.aiter_bytes():

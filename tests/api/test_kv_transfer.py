@@ -29,13 +29,15 @@ def body(**extra: Any) -> dict[str, Any]:
 
 
 @asynccontextmanager
-async def pair(**producer: Any) -> AsyncIterator[tuple[httpx.AsyncClient, httpx.AsyncClient]]:
+async def pair(
+    consumer: dict[str, Any] | None = None, **producer: Any
+) -> AsyncIterator[tuple[httpx.AsyncClient, httpx.AsyncClient]]:
     """A producer and a consumer; the consumer's pulls reach the producer's app."""
     p_config = NIXL.format(role="kv_producer", id="prod")
     c_config = NIXL.format(role="kv_consumer", id="cons")
     async with (
         app_client(kv_transfer_config=p_config, port=8101, **COMMON | producer) as prod,
-        app_client(kv_transfer_config=c_config, port=8102, **COMMON) as cons,
+        app_client(kv_transfer_config=c_config, port=8102, **COMMON | (consumer or {})) as cons,
     ):
         transfer = serving_of(cons).kv_transfer
         assert transfer is not None
@@ -249,3 +251,21 @@ async def test_a_client_leaving_during_the_pull_still_frees_the_producers_blocks
             await kv_transfer.receive(LeavingClient(), serving, want, 50)  # type: ignore[arg-type]
         await asyncio.gather(*transfer._releases)  # the release fetch, in the background
         assert usage(serving_of(prod)) == 0
+
+
+@pytest.mark.parametrize(("consumer_key", "note"), [("k1", "pulled"), (None, "fallback")])
+async def test_a_producer_behind_an_api_key_takes_pulls_carrying_it(
+    consumer_key: str | None, note: str
+) -> None:
+    keys = {"api_key": [consumer_key]} if consumer_key else {}
+    auth = {"authorization": "Bearer k1"}
+    async with pair(consumer=keys, api_key=["k1"]) as (prod, cons):
+        ask = body(max_tokens=1, kv_transfer_params=PREFILL_ASK)
+        params = (await prod.post("/v1/completions", json=ask, headers=auth)).json()
+        answer = await cons.post(
+            "/v1/completions", json=body(kv_transfer_params=params["kv_transfer_params"]),
+            headers=auth if consumer_key else None,
+        )  # fmt: skip
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["x-kv-transfer"].startswith(note)
+        assert (usage(serving_of(prod)) == 0) == (consumer_key is not None)
