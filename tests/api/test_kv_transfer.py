@@ -269,3 +269,18 @@ async def test_a_producer_behind_an_api_key_takes_pulls_carrying_it(
         assert answer.status_code == 200, answer.text
         assert answer.headers["x-kv-transfer"].startswith(note)
         assert (usage(serving_of(prod)) == 0) == (consumer_key is not None)
+
+
+def test_a_wrong_config_or_a_real_model_is_refused_at_start(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from app.cli import parse
+    from app.config import Settings
+    from app.engine.errors import UnsupportedFeatureError
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse(["serve", "--kv-transfer-config", '{"kv_connector":"NixlConnector"}'])
+    assert exit_info.value.code == 2 and "kv_role" in capsys.readouterr().err
+    config = NIXL.format(role="kv_both", id="x")
+    with pytest.raises(UnsupportedFeatureError, match="mocks only"):
+        Serving(Settings(model="smollm2", kv_transfer_config=config))
