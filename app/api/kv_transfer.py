@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
@@ -26,6 +27,7 @@ from app.kv_transfer.node import check_intent
 from app.kv_transfer.params import MAX_BLOCK_IDS, MAX_TEXT, TransferIntent, TransferParamsError
 from app.serving import Serving
 
+log = logging.getLogger("slotserve.kv_transfer")
 router = APIRouter(tags=["kv_transfer"])
 HEADER = "x-kv-transfer"
 
@@ -83,6 +85,8 @@ async def receive(
         request, transfer.receive(blocks, prompt_len), lambda: transfer.release(blocks)
     )
     if pulled.failure is not None:
+        log.warning("KV pull from %s:%d failed (%s): prefilling locally",
+                    blocks.host, blocks.port, pulled.failure)  # fmt: skip
         serving.metrics.kv_transfer_fallbacks.labels(
             serving.settings.model_name, pulled.failure
         ).inc()
