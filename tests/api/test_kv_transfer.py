@@ -284,3 +284,16 @@ def test_a_wrong_config_or_a_real_model_is_refused_at_start(
     config = NIXL.format(role="kv_both", id="x")
     with pytest.raises(UnsupportedFeatureError, match="mocks only"):
         Serving(Settings(model="smollm2", kv_transfer_config=config))
+
+
+async def test_pulled_blocks_join_the_consumers_prefix_cache() -> None:
+    """As on a vLLM decoder: the pulled prompt blocks are the consumer's cache now (published
+    as KV events with --kv-events-endpoint), so the same prompt again starts after them."""
+    async with pair(consumer={"enable_prefix_caching": True}) as (prod, cons):
+        params = await prefill(prod)
+        await cons.post("/v1/completions", json=body(kv_transfer_params=params))
+        consumer = serving_of(cons)
+        assert metric(consumer, "vllm:prefix_cache_hits_total") == 0
+        again = await cons.post("/v1/completions", json=body())
+        full_blocks = (again.json()["usage"]["prompt_tokens"] - 1) // 4
+        assert metric(consumer, "vllm:prefix_cache_hits_total") == full_blocks * 4
