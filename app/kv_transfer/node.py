@@ -61,8 +61,9 @@ def check_intent(config: KVTransferConfig | None, raw: Any) -> TransferIntent | 
 
 
 def kv_bytes_per_token(settings: Settings) -> int:
-    """The model's KV bytes per token: the GPU profile's, else ``--model-config``'s (per GPU
-    under tensor parallelism: each GPU sends its shard), else ``link``'s default (Llama 8B)."""
+    """The model's KV bytes per token, all of it (every layer and KV head, summed over the
+    tensor-parallel GPUs: one link carries the whole prompt's KV, the conservative case): the
+    GPU profile's, else ``--model-config``'s, else ``link``'s default (Llama-3.1-8B)."""
     if settings.profile is not None:
         from app.profiles import PROFILES
 
@@ -70,9 +71,17 @@ def kv_bytes_per_token(settings: Settings) -> int:
     if settings.model_config_file is not None:
         from app.step_time.model_config import load_model_config
 
-        shape = load_model_config(settings.model_config_file)
-        return shape.kv_bytes_per_token(settings.tensor_parallel_size)
+        return load_model_config(settings.model_config_file).kv_bytes_per_token(1)
     return DEFAULT_KV_BYTES_PER_TOKEN
+
+
+def tensor_parallel_size(settings: Settings) -> int:
+    """The ``tp_size`` a producer's answer names: the profile's GPUs, else the flag's."""
+    if settings.profile is not None:
+        from app.profiles import PROFILES
+
+        return PROFILES[settings.profile].gpus
+    return settings.tensor_parallel_size
 
 
 @dataclass(slots=True)
@@ -109,7 +118,8 @@ class KVTransfer:
             peers = frozenset(p.strip() for p in settings.kv_transfer_peers.split(",") if p.strip())
         keys = settings.api_keys().keys  # a deployment's servers share their keys
         key = keys[0].secret if keys else None
-        return cls(config, link, host, settings.port, peers, settings.tensor_parallel_size, key)
+        tp_size = tensor_parallel_size(settings)
+        return cls(config, link, host, settings.port, peers, tp_size, key)
 
     @property
     def client(self) -> httpx.AsyncClient:
