@@ -287,8 +287,8 @@ def test_a_wrong_config_or_a_real_model_is_refused_at_start(
 
 
 async def test_pulled_blocks_join_the_consumers_prefix_cache() -> None:
-    """As on a vLLM decoder: the pulled prompt blocks are the consumer's cache now (published
-    as KV events with --kv-events-endpoint), so the same prompt again starts after them."""
+    """As on a vLLM decoder: the pulled prompt blocks are the consumer's cache now, so the same
+    prompt again starts after them."""
     async with pair(consumer={"enable_prefix_caching": True}) as (prod, cons):
         params = await prefill(prod)
         await cons.post("/v1/completions", json=body(kv_transfer_params=params))
