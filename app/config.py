@@ -238,6 +238,34 @@ class Settings(BaseSettings):
     prefix_caching_hash_seed: str = Field(
         "0", description="seed of the first block's parent hash (vLLM's PYTHONHASHSEED)"
     )
+    # --- prefill/decode disaggregation (app/kv_transfer) ---
+    kv_transfer_config: str | None = Field(
+        None,
+        description='vLLM\'s KV-connector JSON, e.g. \'{"kv_connector":"NixlConnector",'
+        '"kv_role":"kv_both"}\': serve prefill/decode disaggregation (simulated, the '
+        "mocks only; unset: off)",
+    )
+    kv_transfer_bandwidth_gbps: float = Field(
+        50.0, gt=0, le=1e6, description="P/D: the simulated link's bandwidth, GB/s"
+    )
+    kv_transfer_latency_ms: float = Field(
+        1.0, ge=0, le=60_000, description="P/D: a transfer's fixed cost on the link, ms"
+    )
+    kv_transfer_hold_s: float = Field(
+        480.0, gt=0, le=86_400,
+        description="P/D producer: seconds a prefill's blocks are held for the decoder's pull",
+    )  # fmt: skip
+    kv_transfer_peers: str | None = Field(
+        None,
+        description="P/D consumer: comma list of producer hosts it may pull from (unset: "
+        "loopback and private addresses)",
+    )
+    kv_transfer_host: str | None = Field(
+        None,
+        description="P/D producer: the remote_host its answers name (unset: --host, or "
+        "127.0.0.1 when --host is 0.0.0.0 or ::)",
+    )
+    # --- end prefill/decode disaggregation ---
     enable_lora: bool = Field(False, description="serve LoRA adapters (simulated: the mocks only)")
     lora_modules: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
@@ -359,6 +387,15 @@ class Settings(BaseSettings):
     @classmethod
     def _split_modules(cls, value: Any) -> Any:
         return value.replace(",", " ").split() if isinstance(value, str) else value
+
+    @field_validator("kv_transfer_config")
+    @classmethod
+    def _check_kv_transfer_config(cls, value: str | None) -> str | None:
+        from app.kv_transfer.config import parse_kv_transfer_config
+
+        if value is not None:
+            parse_kv_transfer_config(value)  # a ValueError naming the field that is wrong
+        return value
 
     @field_validator("lora_modules", mode="after")
     @classmethod

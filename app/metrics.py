@@ -387,6 +387,12 @@ class EngineMetrics:
         self._cached_prompt_tokens = self.cached_prompt_tokens.labels(model_name)
         self._computed_source = self.prompt_by_source.labels(model_name, "local_compute")
         self._hit_source = self.prompt_by_source.labels(model_name, "local_cache_hit")
+        self._external_source = self.prompt_by_source.labels(model_name, "external_kv_transfer")
+        self.kv_transfer_fallbacks = counter(
+            "slotserve:kv_transfer_fallbacks",
+            "P/D decode requests whose KV pull failed and that prefilled locally, by reason.",
+            ["reason"],
+        )  # fmt: skip
         self._device_hits = self.cached_by_source.labels(model_name, "device")
         self._iteration_tokens = self.iteration_tokens.labels(model_name)
         # the "key" label is "" without named API keys (a named key's series start at its first use)
@@ -483,8 +489,11 @@ class EngineMetrics:
             admitted = sum(seq.prompt_len for seq in out.admitted)
             self._prompt_tokens.inc(admitted)
             hits = min(out.prefix_hits, admitted)  # hits of resumed requests aside
-            self._computed_source.inc(admitted - hits)
+            remote = min(out.remote_tokens, admitted - hits)  # KV a P/D producer sent
+            self._computed_source.inc(admitted - hits - remote)
             self._hit_source.inc(hits)
+            if remote:
+                self._external_source.inc(remote)
         if out.preempted:
             self._preemptions.inc(len(out.preempted))
         if out.prefix_queries:

@@ -12,7 +12,12 @@ fewer long prefills in the batch (shorter ITL).
 
     flock /tmp/bench.lock python benchmarks/routers.py --profile llama3.1-8b-h100
 
-Needs ``vllm-router`` (the ``test`` extra). P/D disaggregation is not here yet (issue 30).
+Two more setups compare prefill/decode disaggregation with the same GPUs used whole:
+``pd`` is the router's P/D mode (``--vllm-pd-disaggregation``) before one producer and one
+consumer (``--kv-transfer-config``; the consumer pulls each prompt's KV over the simulated
+link), ``combined`` is round robin over two ordinary replicas.
+
+Needs ``vllm-router`` (the ``test`` extra).
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "slotserve-mock"
 POLICIES = ("round_robin", "cache_aware", "kv_aware")
+PD_SETUPS = ("pd", "combined")  # 1 prefill + 1 decode replica, against 2 combined replicas
+PD_CONFIG = '{{"kv_connector":"NixlConnector","kv_role":"{}"}}'
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india")
 
 
@@ -94,23 +101,33 @@ def replica_flags(args: argparse.Namespace) -> list[str]:
 
 
 @contextmanager
-def replicas(args: argparse.Namespace, policy: str) -> Iterator[tuple[list[str], list[str]]]:
-    """Start ``--replicas`` servers; yield their URLs and the router flags ``policy`` needs."""
-    urls, extra = [], []
+def replicas(args: argparse.Namespace, setup: str) -> Iterator[tuple[list[str], list[str]]]:
+    """Start the servers of ``setup`` (a policy: ``--replicas`` of them; ``pd``: a producer and
+    a consumer; ``combined``: two); yield their URLs and the router's flags for them."""
+    urls, sources = [], []
+    roles: list[str | None] = [None] * (2 if setup == "combined" else args.replicas)
+    if setup == "pd":
+        roles = ["kv_producer", "kv_consumer"]
     with ExitStack() as stack:
-        for _ in range(args.replicas):
+        for role in roles:
             port, events = free_port(), free_port()
             command = [sys.executable, "-m", "app", "serve", "--port", str(port),
                        "--log-level", "warning", *replica_flags(args),
                        "--kv-events-endpoint", f"tcp://*:{events}"]  # fmt: skip
+            if role is not None:
+                command += ["--kv-transfer-config", PD_CONFIG.format(role)]
             url = stack.enter_context(started(command, port))
             urls.append(url)
-            extra += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{events}"]
-        if policy == "kv_aware":
-            extra += ["--kv-event-model", MODEL]
+            sources += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{events}"]
+        if setup == "pd":
+            flags = ["--policy", "round_robin", "--vllm-pd-disaggregation", "--prefill", urls[0],
+                     "--decode", urls[1], "--kv-connector", "nixl"]  # fmt: skip
         else:
-            extra = []
-        yield urls, extra
+            policy = "round_robin" if setup == "combined" else setup
+            flags = ["--policy", policy, "--worker-urls", *urls]
+            if policy == "kv_aware":
+                flags += [*sources, "--kv-event-model", MODEL]
+        yield urls, flags
 
 
 def prefix_counts(urls: list[str]) -> tuple[float, float]:
@@ -162,11 +179,11 @@ async def drive(url: str, prompts: list[str], args: argparse.Namespace, result: 
 def run(args: argparse.Namespace, policy: str, router_bin: str) -> Result:
     result = Result(policy)
     prompts = workload(args)
-    with replicas(args, policy) as (urls, extra):
+    with replicas(args, policy) as (urls, flags):
         port = free_port()
         command = [router_bin, "--host", "127.0.0.1", "--port", str(port),
-                   "--prometheus-port", str(free_port()), "--policy", policy,
-                   "--worker-urls", *urls, "--log-level", "warning", *extra]  # fmt: skip
+                   "--prometheus-port", str(free_port()), "--log-level", "warning",
+                   *flags]  # fmt: skip
         with started(command, port, output=subprocess.DEVNULL) as router:  # its log is loud
             hits, queries = prefix_counts(urls)
             asyncio.run(drive(router, prompts, args, result))
@@ -176,7 +193,7 @@ def run(args: argparse.Namespace, policy: str, router_bin: str) -> Result:
 
 
 def chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    """TTFT (mean, p90) and prefix hit rate per policy, side by side."""
+    """TTFT and ITL (p50 or mean, p90) and the prefix hit rate per setup, side by side."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -184,26 +201,30 @@ def chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
     names = [row["policy"] for row in rows]
     x = range(len(rows))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
-    for offset, key in ((-0.2, "mean_ms"), (0.2, "p90_ms")):
-        left.bar([i + offset for i in x], [row["ttft"][key] for row in rows], width=0.4,
-                 label=f"TTFT {key.split('_')[0]}")  # fmt: skip
-    left.set_xticks(list(x), names)
-    left.set_ylabel("ms")
-    left.set_ylim(0, 1.35 * max(row["ttft"]["p90_ms"] for row in rows))  # room for the legend
-    left.legend(loc="upper center", ncol=2)
-    right.bar(list(x), [100 * row["prefix_hit_rate"] for row in rows], width=0.5)
-    right.set_xticks(list(x), names)
-    right.set_ylabel("prefix-cache hit rate (%)")
-    right.set_ylim(0, 100)
-    fig.suptitle(f"shared-prefix workload through the vLLM router ({title})")
+    fig, (ttft, itl, hits) = plt.subplots(1, 3, figsize=(12, 3.5))
+    for axis, metric, first in ((ttft, "ttft", "mean_ms"), (itl, "itl", "p50_ms")):
+        for offset, key in ((-0.2, first), (0.2, "p90_ms")):
+            axis.bar([i + offset for i in x], [row[metric][key] for row in rows], width=0.4,
+                     label=f"{metric.upper()} {key.split('_')[0]}")  # fmt: skip
+        axis.set_xticks(list(x), names)
+        axis.set_ylabel("ms")
+        axis.set_ylim(0, 1.35 * max(row[metric]["p90_ms"] for row in rows))  # legend room
+        axis.legend(loc="upper center", ncol=2)
+    hits.bar(list(x), [100 * row["prefix_hit_rate"] for row in rows], width=0.5)
+    hits.set_xticks(list(x), names)
+    hits.set_ylabel("prefix-cache hit rate (%)")
+    hits.set_ylim(0, 100)
+    fig.suptitle(f"through the vLLM router ({title})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument(
+        "--policies", default=",".join(POLICIES),
+        help=f"setups, comma-separated: the policies, and {' and '.join(PD_SETUPS)} (P/D)",
+    )  # fmt: skip
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--per-group", type=int, default=8)

@@ -39,7 +39,8 @@ class VllmRouter:
         self.command = [
             ROUTER_BIN, "--host", "127.0.0.1", "--port", str(self.port),
             "--prometheus-port", str(self.metrics_port), "--policy", policy,
-            "--worker-urls", *workers, "--worker-startup-check-interval", "1",
+            *(["--worker-urls", *workers] if workers else []),  # (none: P/D names them)
+            "--worker-startup-check-interval", "1",
             "--log-level", "debug" if policy == "kv_aware" else "info", *flags,
         ]  # fmt: skip
         self.proc: subprocess.Popen[bytes] | None = None

@@ -10,7 +10,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from sse_starlette.sse import AppStatus
 
-from app.api import admin, dashboard, load, lora, native, openai_compat, render, sleep, tokenize
+from app.api import (
+    admin,
+    dashboard,
+    kv_transfer,
+    load,
+    lora,
+    native,
+    openai_compat,
+    render,
+    sleep,
+    tokenize,
+)
 from app.api.adapters import anthropic, responses
 from app.api.adapters.anthropic_errors import AnthropicErrors
 from app.api.adapters.responses_store import ResponseStore
@@ -64,6 +75,7 @@ def create_app(settings: Settings | None = None, model: Model | None = None) -> 
     app.include_router(responses.router)
     app.include_router(load.router)
     app.include_router(render.router)
+    app.include_router(kv_transfer.router)
     if settings.enable_sleep_mode:
         app.include_router(sleep.router)
     if settings.enable_lora:

@@ -73,6 +73,10 @@ class InternalRequest:
     tools: ToolPlan | None = None  # the tools offered and the choice (calls read from the reply)
     more_prompts: list[list[int]] = field(default_factory=list)  # completions' further prompts
     n: int = 1  # choices per prompt
+    # prefill/decode disaggregation (app/api/kv_transfer.py): hold the prompt's blocks for a
+    # remote decoder; the prompt's leading tokens whose KV a producer sent
+    remote_decode: bool = False
+    remote_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -204,6 +208,7 @@ def start(request: Request, serving: Serving, internal: InternalRequest, key: st
         priority=internal.priority, sampling=internal.sampling, bad_words=internal.bad_words,
         user=key if key is not None else internal.user, key_name=key,
         constraint=internal.constraint, constraint_param=internal.constraint_param, lora=lora,
+        remote_decode=internal.remote_decode, remote_tokens=internal.remote_tokens,
     )  # fmt: skip
     stream = faults.submit(
         request, serving, params, streaming=internal.stream, id_prefix=internal.id_prefix,

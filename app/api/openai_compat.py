@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from app.api import generation, reply_bounds
+from app.api import generation, kv_transfer, reply_bounds
 from app.api.deps import KeyNameDep, ServingDep
 from app.api.errors import ERROR_RESPONSES, APIError, InvalidField
 from app.api.generation import InternalRequest, Outcome, Piece, Run
@@ -71,10 +71,11 @@ async def completions(
     constraint = requested_constraint(body.response_format, body.structured_outputs)
     await serving.precompile(*constraint)
     internal = _internal(body, serving, prompts, max_tokens, "cmpl", constraint)
+    note = await _transfer(body, request, serving, internal)
     run = generation.start(request, serving, internal, key_name)
     shape = CompletionShape(run, body, serving)
     response = await _respond(run, body, request, serving, shape)
-    return generation.flag_priority(response, serving, internal)
+    return kv_transfer.mark(generation.flag_priority(response, serving, internal), note)
 
 
 @router.post("/chat/completions", responses=ERROR_RESPONSES)
@@ -95,10 +96,28 @@ async def chat_completions(
         constraint = requested_constraint(body.response_format, body.structured_outputs)
     await serving.precompile(*constraint)
     internal = _internal(body, serving, [ids], max_tokens, "chatcmpl", constraint, plan)
+    note = await _transfer(body, request, serving, internal)
     run = generation.start(request, serving, internal, key_name)
     shape = ChatShape(run, body, serving) if plan is None else ToolChatShape(run, body, serving)
     response = await _respond(run, body, request, serving, shape)
-    return generation.flag_priority(response, serving, internal)
+    return kv_transfer.mark(generation.flag_priority(response, serving, internal), note)
+
+
+async def _transfer(
+    body: OpenAIParams, request: Request, serving: Serving, internal: InternalRequest
+) -> str:
+    """The body's ``kv_transfer_params`` (prefill/decode disaggregation) applied to
+    ``internal``: a producer's request holds its blocks; a consumer's pulls them first (the
+    ``x-kv-transfer`` header's value, "" for any other request)."""
+    want = kv_transfer.intent(serving, body.kv_transfer_params)
+    if want is None:
+        return ""
+    # a streamed answer cannot say where the blocks are: only a whole one holds them
+    internal.remote_decode = want.remote_decode and not internal.stream
+    internal.remote_tokens, note = await kv_transfer.receive(
+        request, serving, want, len(internal.prompt)
+    )
+    return note
 
 
 def _tool_constraint(
@@ -237,6 +256,7 @@ class Shape:
         self.run, self.id, self.model, self.created = run, run.id, run.model, run.created
         self.text = TokenText(serving.tokenizer)  # each token's text (log probabilities)
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.kv_transfer = serving.kv_transfer
 
     def envelope(self, obj: str, choices: list[Any]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -250,8 +270,12 @@ class Shape:
 
     def whole(self, outcomes: list[Outcome]) -> dict[str, Any]:
         choices = [self.choice(outcome) for outcome in outcomes]
-        return self.envelope(self.object_whole, choices) | {
+        out = self.envelope(self.object_whole, choices) | {
             "system_fingerprint": FINGERPRINT, "usage": self.usage()}  # fmt: skip
+        view = self.run.stream.view
+        if view.held is not None and self.kv_transfer is not None:  # a P/D producer's prefill
+            out["kv_transfer_params"] = self.kv_transfer.answer(view.request_id, view.held)
+        return out
 
     def choice(self, outcome: Outcome) -> dict[str, Any]:
         return self.rendered(_piece(outcome))

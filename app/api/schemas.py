@@ -195,6 +195,9 @@ class OpenAIParams(SamplingFields):
     priority: Priority = Field(0, description="vLLM's extension: lower runs first")
     user: UserName | None = None
     prompt_logprobs: TopLogprobs | None = Field(None, description="vLLM's: per prompt token")
+    # vLLM's P/D disaggregation parameters: checked by app/api/kv_transfer.py (400 naming the
+    # field) against the server's --kv-transfer-config role
+    kv_transfer_params: object = Field(None, description="vLLM's: prefill/decode disaggregation")
 
     # Fields that would change the response's shape (suffix, tool calls, JSON mode): this
     # server cannot honour them, so a value other than the neutral one is refused (see

@@ -231,6 +231,22 @@ class EngineCore:
             self._publish_kv_events()
         return out
 
+    def release_kv_hold(self, request_id: str) -> int | None:
+        """A remote decoder pulled the blocks ``request_id`` (a finished ``remote_decode``
+        prefill) holds: they are free now. Returns the tokens they held; None if none are held
+        for it (never, pulled already, or expired)."""
+        held = self.scheduler.release_held(request_id, self.clock())
+        return None if held is None else held.num_tokens
+
+    def next_hold_expiry(self) -> float | None:
+        """When the oldest blocks held for a remote decoder expire (on ``clock``); None: none
+        are held."""
+        return self.scheduler.holds.next_expiry
+
+    def expire_holds(self) -> None:
+        """Let go the held blocks past their time (``schedule`` does it too, at every step)."""
+        self.scheduler.holds.expire(self.clock())
+
     def reset_prefix_cache(self) -> bool:
         """Evict every cached block no running request uses (vLLM's ``reset_prefix_cache``);
         True if the cache is now empty (published as ``AllBlocksCleared``)."""

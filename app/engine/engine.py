@@ -142,6 +142,12 @@ class Engine:
             self._inbox.put_nowait(Abort(request_id, reason))
         return True
 
+    def release_kv_hold(self, request_id: str) -> int | None:
+        """Free the blocks held for a remote decoder's pull of ``request_id`` (see
+        ``EngineCore.release_kv_hold``). Runs on the event loop, as the engine task does, and
+        touches nothing a model call reads."""
+        return self.core.release_kv_hold(request_id)
+
     async def reset_prefix_cache(self) -> bool:
         """Evict every cached block no running request uses, between two steps (the engine
         task owns the cache); True if the cache is now empty. False at once if the engine is
@@ -221,7 +227,7 @@ class Engine:
                 if self._inbox.empty():
                     self._idle.set()
                 self._last_deadline = None  # the next step does not follow one
-                message = await self._inbox.get()
+                message = await self._next_message()
                 self._idle.clear()
                 if not self._handle(message):
                     return
@@ -249,6 +255,19 @@ class Engine:
                 if not self._drain_inbox():
                     return
                 core.update(out, result)
+
+    async def _next_message(self) -> Message:
+        """The next message, while idle. Blocks held for a remote decoder (prefill/decode
+        disaggregation) expire meanwhile on time, so the KV usage shows them free."""
+        core = self.core
+        while True:
+            expiry = core.next_hold_expiry()
+            if expiry is None:
+                return await self._inbox.get()
+            try:
+                return await asyncio.wait_for(self._inbox.get(), max(0.0, expiry - core.clock()))
+            except TimeoutError:
+                core.expire_holds()
 
     async def _wait_for_room(self) -> bool:
         """Nothing can be scheduled although requests wait (every free slot is out of service):

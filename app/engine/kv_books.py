@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 from app.engine.prefix_cache import PrefixCache
 from app.engine.types import Sequence
+from app.kv_transfer.holds import Holds
 
 
 class KVBooks:
@@ -33,6 +34,8 @@ class KVBooks:
         self.block_size = block_size
         self.total = capacity_tokens // block_size
         self.prefix_cache = prefix_cache
+        # blocks a producer keeps for remote decoders (app/kv_transfer): used until pulled
+        self.holds: Holds | None = None
 
     @property
     def capacity_tokens(self) -> int:
@@ -42,15 +45,17 @@ class KVBooks:
         return -(-num_tokens // self.block_size)
 
     def used(self, running: Iterable[Sequence]) -> int:
-        """Blocks held by ``running``: their own, plus the cached blocks they reference."""
+        """Blocks held by ``running``: their own, plus the cached blocks they reference, plus
+        the finished prefills' blocks held for a remote decoder (``holds``)."""
         size, cache = self.block_size, self.prefix_cache
+        held = self.holds.blocks if self.holds is not None else 0
         if cache is None:
-            return sum(-(-seq.num_computed_tokens // size) for seq in running)
+            return held + sum(-(-seq.num_computed_tokens // size) for seq in running)
         own = sum(
             -(-seq.num_computed_tokens // size) - (len(seq.prefix.blocks) if seq.prefix else 0)
             for seq in running
         )
-        return own + cache.num_referenced
+        return held + own + cache.num_referenced
 
     def usage(self, running: Iterable[Sequence]) -> float:
         return self.used(running) / self.total

@@ -44,6 +44,7 @@ from app.engine.slots import SlotTable
 from app.engine.step import ModelOutput, SchedulerOutput, StepOutcome
 from app.engine.types import FinishReason, RequestStatus, Sequence
 from app.engine.waiting import WaitingQueue
+from app.kv_transfer.holds import DEFAULT_HOLD_SECONDS, Held, Holds
 from app.models.protocol import NO_TOKEN, Logprobs, PrefillChunk
 
 UNBOUNDED = 1 << 62  # a token budget or KV capacity that never binds
@@ -91,6 +92,9 @@ class SchedulerConfig:
     # (the model must share prompts: ``app.models.protocol.shares_prompts``); False: it
     # prefills its prompt alone
     share_prompts: bool = False
+    # prefill/decode disaggregation: how long a finished ``remote_decode`` request's blocks
+    # are held for the remote decoder's pull (app/kv_transfer/holds.py)
+    kv_hold_seconds: float = DEFAULT_HOLD_SECONDS
 
     @property
     def kv_binds(self) -> bool:
@@ -132,6 +136,9 @@ class Scheduler:
         self.books = KVBooks(
             config.kv_cache_tokens or UNBOUNDED, config.block_size, self.prefix_cache
         )
+        # finished prefills' blocks kept for a remote decoder (prefill/decode disaggregation)
+        self.holds = Holds(self.books.total, config.kv_hold_seconds)
+        self.books.holds = self.holds
         self._count_blocks = config.kv_binds or self.prefix_cache is not None
         self._budget = config.max_num_batched_tokens or UNBOUNDED
         self._chunk_cap = config.max_prefill_chunk or self._budget
@@ -262,6 +269,8 @@ class Scheduler:
         docstring for the order). A policy may first preempt one running request for a waiting
         one, when every slot is busy."""
         policy = self.policy
+        if self.holds:
+            self.holds.expire(now)
         if policy is not None and self.waiting and not self.slots.num_free:
             self._preempt_for_waiting(policy, now)
         if self._count_blocks:
@@ -285,6 +294,12 @@ class Scheduler:
         if self._released and not out.empty:  # an empty output is never run: keep its
             out.released, self._released = self._released, []  # releases for the next one
         return out
+
+    def release_held(self, request_id: str, now: float) -> Held | None:
+        """A remote decoder pulled ``request_id``'s held blocks: they are free now. None if
+        they are not held (never, pulled already, or expired by ``now``)."""
+        self.holds.expire(now)
+        return self.holds.take(request_id)
 
     def take_released(self) -> list[int]:
         """The slots released since the last step that ran, handed over now instead (the engine
@@ -435,11 +450,13 @@ class Scheduler:
                     break  # every waiting request needs another adapter, or waits for its fork
                 seq = found
             start = self._fork_start(seq) if seq.fork_of is not None else 0
+            if seq.remote_tokens and seq.times.admitted is None:  # its KV arrived: computed
+                start = max(start, min(seq.remote_tokens, seq.prompt_len - 1))
             hits = self._cached_prefix(seq, start) if self.prefix_cache is not None else []
             # the cost in free blocks: cached blocks nobody uses, and a fork's own copies of
             # the prompt blocks the cache does not share
             cost = sum(1 for block in hits if block.refs == 0) if hits else 0
-            if start:
+            if start:  # a fork's copies, or the blocks a producer sent
                 cost += self.books.blocks_for(start) - len(hits)
             if self._count_blocks and not self.books.room(start, self._free_blocks - cost):
                 break  # the cache is full: it waits (first come, first served)
@@ -466,6 +483,8 @@ class Scheduler:
             if seq.times.admitted is None:  # its first admission (not a resume)
                 seq.times.admitted = now
                 out.admitted.append(seq)
+                if seq.remote_tokens:  # (the cached blocks among them count as hits)
+                    out.remote_tokens += start - len(hits) * self.books.block_size
             else:
                 out.resumed.append(seq)
             self._prefilling.append(seq)
@@ -674,6 +693,9 @@ class Scheduler:
         if self.policy is not None:
             self.policy.on_finished(seq)
         if seq.status is RequestStatus.RUNNING:
+            if seq.remote_decode and reason is FinishReason.LENGTH:  # its KV waits for a pull
+                blocks = self.books.blocks_for(seq.prompt_len)
+                seq.held = self.holds.hold(seq.request_id, blocks, seq.prompt_len, now).block_ids
             self._leave_slot(seq)
         set_status(seq, RequestStatus.FINISHED, reason, now)
 

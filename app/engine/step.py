@@ -50,6 +50,7 @@ class SchedulerOutput:
     num_prefill_tokens: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    remote_tokens: int = 0  # prompt tokens of admitted requests whose KV a producer sent
     lora_loads: int = 0  # LoRA adapters loaded into the batch's adapter slots in this step
     _decode_tokens: list[int] | None = None
 

@@ -47,6 +47,8 @@ class RequestView(Protocol):
     def error(self) -> BaseException | None: ...  # what ended it in error, if anything did
     @property
     def prompt_logprobs(self) -> Sequence_[Logprobs | None] | None: ...  # None: not asked
+    @property
+    def held(self) -> tuple[int, ...] | None: ...  # its blocks held for a remote decoder
 
 
 class RequestStream:

@@ -165,6 +165,13 @@ class Sequence:
     # set by the scheduler while it decodes: below this ``len(tokens)``, a token that is no stop
     # token needs no end rule (0: every token does)
     fast_until: int = 0
+    # prefill/decode disaggregation (app/kv_transfer): ``remote_decode``: a producer's request
+    # whose blocks are held for a remote decoder when it ends by length (``held``: their ids,
+    # set by the scheduler); ``remote_tokens``: a consumer's leading prompt tokens whose KV
+    # arrived from the producer, counted as computed at its first admission (< prompt_len)
+    remote_decode: bool = False
+    held: tuple[int, ...] | None = None
+    remote_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.tokens)

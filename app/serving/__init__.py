@@ -19,6 +19,7 @@ from app.engine import errors
 from app.engine.engine import Engine
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason, Sequence
+from app.kv_transfer.node import KVTransfer
 from app.lora import start_registry
 from app.models.hf import is_real_model
 from app.models.protocol import Model
@@ -63,6 +64,13 @@ class Serving:
         modules = settings.lora_modules if settings.enable_lora else []
         max_cpu_loras = settings.max_cpu_loras or settings.max_loras
         self.loras = start_registry(self.settings.model_name, max_cpu_loras, modules)
+        if self._real and settings.kv_transfer_config is not None:
+            raise errors.UnsupportedFeatureError(
+                "--kv-transfer-config simulates prefill/decode disaggregation on the mocks only "
+                "(no KV moves between servers: a real model would decode from a cache it never "
+                "filled)"
+            )
+        self.kv_transfer = KVTransfer.from_settings(self.settings)
         if settings.data_parallel_size > 1 and (model is not None or self._real):
             raise errors.UnsupportedFeatureError(
                 "--data-parallel-size > 1 runs one built-in mock per rank (not a given or real "
@@ -163,6 +171,8 @@ class Serving:
         if self._loading is not None and not self._loading.done():
             self._loading.cancel()
         await self.ranks.stop(grace)
+        if self.kv_transfer is not None:
+            await self.kv_transfer.close()
 
     def submit(self, params: GenerationParams, id_prefix: str = "gen") -> RequestStream:
         """Validate ``params`` against the model and queue the request: ``prepare`` then
@@ -214,6 +224,19 @@ class Serving:
         """``Readiness.sleep`` on every rank; ``ModelLoadingError`` while a real model loads."""
         self._loaded()
         await self.readiness.sleep(level, self.engines)
+
+    def release_kv_hold(self, engine_id: str, request_id: str) -> int:
+        """A remote decoder's pull of ``request_id``'s held blocks (``POST
+        /v1/kv_transfer/fetch``): they are freed; returns the tokens they hold. ``LookupError``
+        with ``unknown_engine`` (not this server's engine id, or no P/D here) or ``expired``
+        (none held: never, pulled already, or past ``--kv-transfer-hold-s``)."""
+        if self.kv_transfer is None or engine_id != self.kv_transfer.config.engine_id:
+            raise LookupError("unknown_engine")
+        for engine in self.engines:
+            tokens = engine.release_kv_hold(request_id)
+            if tokens is not None:
+                return tokens
+        raise LookupError("expired")
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """End a live request early with ``reason`` (``abort``; failure injection uses

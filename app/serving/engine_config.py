@@ -65,6 +65,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         "max_loras": settings.max_loras if settings.enable_lora else None,
         "step_costs": step_costs(settings),
         "step_jitter": settings.mock_jitter,
+        "kv_hold_seconds": settings.kv_transfer_hold_s,  # P/D: a prefill's blocks held
         **physics_admission(settings),
     }
     return EngineConfig(**(named_like_settings(EngineConfig, settings) | explicit))

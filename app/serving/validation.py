@@ -52,6 +52,10 @@ class GenerationParams:
     constraint: Constraint | None = None
     constraint_param: str = "response_format"
     lora: str | None = None  # the LoRA adapter the request names (None: the base model)
+    # prefill/decode disaggregation (app/kv_transfer): hold the prompt's blocks for a remote
+    # decoder when the request ends by length; the prompt's leading tokens whose KV arrived
+    remote_decode: bool = False
+    remote_tokens: int = 0
     # The request's grammar time, shared by the choices copied from these params (n, prompts):
     # the per-request grammar budget bounds the request, not each choice.
     grammar_spend: GrammarSpend = field(default_factory=GrammarSpend)
@@ -155,6 +159,8 @@ class Validator:
             constraint=constraint,
             user=params.key_name if params.key_name is not None else params.user,
             lora=params.lora,
+            remote_decode=params.remote_decode,
+            remote_tokens=params.remote_tokens,
         )
 
     def _sampling(self, params: GenerationParams) -> SamplingParams:
