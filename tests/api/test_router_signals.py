@@ -45,6 +45,16 @@ async def test_get_load_sums_the_data_parallel_ranks(make_client: ClientFactory)
             serving.abort(stream.request_id)
 
 
+async def test_get_load_needs_no_api_key(make_client: ClientFactory) -> None:
+    """The vLLM router polls ``/get_load`` without credentials (vLLM keeps it open: its keys
+    guard ``/v1`` only), so with ``--api-key`` it stays open as ``/metrics`` is; before, it
+    answered 401 and ``power_of_two`` saw no load anywhere."""
+    async with make_client(api_key=["sekret"]) as client:
+        assert (await client.get("/get_load")).json()["load"] == 0
+        render = await client.post("/v1/completions/render", json={"prompt": "a"})
+        assert render.status_code == 401  # the /v1 routes keep their key
+
+
 async def test_orca_header_on_non_streamed_answers_as_vllm_writes_it(
     make_client: ClientFactory,
 ) -> None:
