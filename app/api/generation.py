@@ -197,14 +197,7 @@ def start(request: Request, serving: Serving, internal: InternalRequest, key: st
     rank = data_parallel_rank(request, serving)
     prompts = [internal.prompt, *internal.more_prompts]
     check_room(serving, len(prompts), internal.n, rank)
-    params = GenerationParams(
-        prompt=internal.prompt, max_tokens=internal.max_tokens,
-        stop_token_ids=internal.stop_token_ids, stop_strings=internal.stop_strings,
-        ignore_eos=internal.ignore_eos, request_id=internal.request_id,
-        priority=internal.priority, sampling=internal.sampling, bad_words=internal.bad_words,
-        user=key if key is not None else internal.user, key_name=key,
-        constraint=internal.constraint, constraint_param=internal.constraint_param, lora=lora,
-    )  # fmt: skip
+    params = engine_params(internal, lora, key)
     stream = faults.submit(
         request, serving, params, streaming=internal.stream, id_prefix=internal.id_prefix,
         model=internal.model, rank=rank,
@@ -221,6 +214,19 @@ def start(request: Request, serving: Serving, internal: InternalRequest, key: st
     grammar_param = internal.constraint_param if internal.constraint is not None else None
     model = internal.model or serving.settings.model_name
     return Run(stream.request_id, choices, internal.tools, grammar_param, model, top, internal.n)
+
+
+def engine_params(internal: InternalRequest, lora: str | None, key: str | None) -> GenerationParams:
+    """``internal``'s first prompt as the engine's ``GenerationParams`` (``lora``: the adapter it
+    runs with; ``key``: the API key's name, which wins over the body's ``user``)."""
+    return GenerationParams(
+        prompt=internal.prompt, max_tokens=internal.max_tokens,
+        stop_token_ids=internal.stop_token_ids, stop_strings=internal.stop_strings,
+        ignore_eos=internal.ignore_eos, request_id=internal.request_id,
+        priority=internal.priority, sampling=internal.sampling, bad_words=internal.bad_words,
+        user=key if key is not None else internal.user, key_name=key,
+        constraint=internal.constraint, constraint_param=internal.constraint_param, lora=lora,
+    )  # fmt: skip
 
 
 def check_room(serving: Serving, prompts: int, n: int, rank: int | None) -> None:
