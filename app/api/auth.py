@@ -1,8 +1,9 @@
 """API-key authentication as pure-ASGI middleware, so it runs before anything reads the body:
 a client without a valid key gets 401 even when its body would not parse, and the generated
 docs (``/docs``, ``/redoc``, ``/openapi.json``) are behind the key too. Only ``/health``,
-``/metrics`` and the dashboard stay open (probes, scrapers and a browser's EventSource carry no
-key; the dashboard shows no ids, text or key names).
+``/metrics``, ``/get_load`` and the dashboard stay open (probes, scrapers, the vLLM router's
+load poll and a browser's EventSource carry no key; ``/get_load`` tells no more than
+``/metrics``; the dashboard shows no ids, text or key names).
 
 The matched key's name is stored in the ASGI scope's state (``request.state.api_key_name``);
 it is None when no keys are configured. Names may be logged and used as metric labels; keys
@@ -16,7 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from app.api.errors import invalid_api_key, response_for
 from app.keys import ApiKeys
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/dashboard", "/dashboard/events"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/get_load", "/dashboard", "/dashboard/events"})
 STATE_KEY = "api_key_name"
 
 

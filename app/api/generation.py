@@ -90,19 +90,21 @@ class Piece:
     tokens: list[int]
     logprobs: list[Logprobs | None] | None = None
     index: int = 0  # the choice it belongs to
-    stop: str | None = None  # the stop string that ended the choice (vLLM's stop_reason)
+    # what ended the choice, as vLLM's stop_reason: a stop string, or a stop_token_ids id
+    stop: str | int | None = None
 
 
 @dataclass(slots=True)
 class Outcome:
     """How one choice ended. ``text``: the reply's content (without its tool calls);
     ``finish_reason``: ``stop`` (end of sequence or a stop string), ``length`` or ``abort``;
-    ``stop_sequence``: the stop string that ended it, if one did; ``calls``: the tool calls;
+    ``stop_sequence``: the stop string that ended it, if one did (or the ``stop_token_ids``
+    id, on the OpenAI routes that take them: vLLM's ``stop_reason``); ``calls``: the tool calls;
     ``tokens`` and ``logprobs``: the tokens the text shows (log probabilities when asked)."""
 
     text: str
     finish_reason: str
-    stop_sequence: str | None
+    stop_sequence: str | int | None
     prompt_tokens: int
     completion_tokens: int
     calls: list[ToolCall] = field(default_factory=list)
@@ -123,6 +125,7 @@ class Choice:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[Logprobs | None] | None = None
     reason: str = FinishReason.ABORT.value
+    stop: str | int | None = None  # the last piece's
 
     def outcome(self, plan: ToolPlan | None) -> Outcome:
         """The choice's outcome once it has ended (its calls read from the whole reply, or as
@@ -133,7 +136,7 @@ class Choice:
             text, calls = self.reader.content, self.reader.calls
         elif plan is not None:
             text, calls = read_calls(text, self.reason, plan)
-        return Outcome(text, self.reason, self.matcher.matched, view.prompt_len,
+        return Outcome(text, self.reason, self.stop, view.prompt_len,
                        view.num_generated, calls, self.index, self.tokens,
                        self.logprobs)  # fmt: skip
 
@@ -150,6 +153,8 @@ class Run:
     model: str = ""  # the model the reply names: the one the body named, else the served one
     top: int | None = None  # alternatives per token when log probabilities were asked for
     n: int = 1  # choices per prompt
+    # the stop_token_ids a choice's stop_reason names (not end of sequence, checked first)
+    stop_ids: frozenset[int] = frozenset()
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -201,15 +206,7 @@ def start(request: Request, serving: Serving, internal: InternalRequest, key: st
     rank = data_parallel_rank(request, serving)
     prompts = [internal.prompt, *internal.more_prompts]
     check_room(serving, len(prompts), internal.n, rank)
-    params = GenerationParams(
-        prompt=internal.prompt, max_tokens=internal.max_tokens,
-        stop_token_ids=internal.stop_token_ids, stop_strings=internal.stop_strings,
-        ignore_eos=internal.ignore_eos, request_id=internal.request_id,
-        priority=internal.priority, sampling=internal.sampling, bad_words=internal.bad_words,
-        user=key if key is not None else internal.user, key_name=key,
-        constraint=internal.constraint, constraint_param=internal.constraint_param, lora=lora,
-        remote_decode=internal.remote_decode, remote_tokens=internal.remote_tokens,
-    )  # fmt: skip
+    params = engine_params(internal, lora, key)
     stream = faults.submit(
         request, serving, params, streaming=internal.stream, id_prefix=internal.id_prefix,
         model=internal.model, rank=rank,
@@ -225,7 +222,24 @@ def start(request: Request, serving: Serving, internal: InternalRequest, key: st
     ]  # fmt: skip
     grammar_param = internal.constraint_param if internal.constraint is not None else None
     model = internal.model or serving.settings.model_name
-    return Run(stream.request_id, choices, internal.tools, grammar_param, model, top, internal.n)
+    eos = frozenset() if internal.ignore_eos else serving.tokenizer.stop_token_ids
+    stop_ids = frozenset(internal.stop_token_ids) - eos
+    return Run(stream.request_id, choices, internal.tools, grammar_param, model, top, internal.n,
+               stop_ids)  # fmt: skip
+
+
+def engine_params(internal: InternalRequest, lora: str | None, key: str | None) -> GenerationParams:
+    """``internal``'s first prompt as the engine's ``GenerationParams`` (``lora``: the adapter it
+    runs with; ``key``: the API key's name, which wins over the body's ``user``)."""
+    return GenerationParams(
+        prompt=internal.prompt, max_tokens=internal.max_tokens,
+        stop_token_ids=internal.stop_token_ids, stop_strings=internal.stop_strings,
+        ignore_eos=internal.ignore_eos, request_id=internal.request_id,
+        priority=internal.priority, sampling=internal.sampling, bad_words=internal.bad_words,
+        user=key if key is not None else internal.user, key_name=key,
+        constraint=internal.constraint, constraint_param=internal.constraint_param, lora=lora,
+        remote_decode=internal.remote_decode, remote_tokens=internal.remote_tokens,
+    )  # fmt: skip
 
 
 def check_room(serving: Serving, prompts: int, n: int, rank: int | None) -> None:
@@ -320,7 +334,9 @@ async def texts(run: Run, serving: Serving, choice: Choice) -> AsyncIterator[Pie
                 more, more_entries = aligned.release(everything=True)
                 tokens, entries = tokens + more, (entries or []) + more_entries
             reason = delta.finish_reason.value
-            yield _seen(choice, Piece(text + rest, reason, tokens, entries, choice.index))
+            last = choice.stream.view.stop_token
+            stop = last if last in run.stop_ids else None
+            yield _seen(choice, Piece(text + rest, reason, tokens, entries, choice.index, stop))
             return
         if text or tokens:
             yield _seen(choice, Piece(text, None, tokens, entries, choice.index))
@@ -333,7 +349,7 @@ def _seen(choice: Choice, piece: Piece) -> Piece:
         choice.tokens += piece.tokens
         choice.logprobs += piece.logprobs or [None] * len(piece.tokens)
     if piece.reason is not None:
-        choice.reason = piece.reason
+        choice.reason, choice.stop = piece.reason, piece.stop
     return piece
 
 

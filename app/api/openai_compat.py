@@ -66,11 +66,8 @@ def _permission(created: int) -> dict[str, Any]:
 async def completions(
     body: CompletionRequest, request: Request, serving: ServingDep, key_name: KeyNameDep
 ) -> Response:
-    prompts = completion_prompts(body, serving)
-    max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
-    constraint = requested_constraint(body.response_format, body.structured_outputs)
-    await serving.precompile(*constraint)
-    internal = _internal(body, serving, prompts, max_tokens, "cmpl", constraint)
+    internal = completion_request(body, serving)
+    await serving.precompile(internal.constraint, internal.constraint_param)
     note = await _transfer(body, request, serving, internal)
     run = generation.start(request, serving, internal, key_name)
     shape = CompletionShape(run, body, serving)
@@ -82,7 +79,32 @@ async def completions(
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, serving: ServingDep, key_name: KeyNameDep
 ) -> Response:
-    plan = tool_plan(body, serving)
+    internal = chat_request(body, serving)
+    await serving.precompile(internal.constraint, internal.constraint_param)
+    note = await _transfer(body, request, serving, internal)
+    run = generation.start(request, serving, internal, key_name)
+    plain = internal.tools is None
+    shape = ChatShape(run, body, serving) if plain else ToolChatShape(run, body, serving)
+    response = await _respond(run, body, request, serving, shape)
+    return kv_transfer.mark(generation.flag_priority(response, serving, internal), note)
+
+
+def completion_request(body: CompletionRequest, serving: Serving) -> InternalRequest:
+    """A completion's body in the engine's terms, checked as ``/v1/completions`` checks it (its
+    render, ``app/api/render.py``, reads it the same way)."""
+    prompts = completion_prompts(body, serving)
+    max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
+    constraint = requested_constraint(body.response_format, body.structured_outputs)
+    return _internal(body, serving, prompts, max_tokens, "cmpl", constraint)
+
+
+def chat_request(
+    body: ChatCompletionRequest, serving: Serving, decide: bool = True
+) -> InternalRequest:
+    """A chat's body in the engine's terms (its prompt through the chat template), checked as
+    ``/v1/chat/completions`` checks it. ``decide``: let a mock decide now whether it calls a
+    tool under ``auto`` (False for a render, which only describes the request)."""
+    plan = tool_plan(body, serving, decide=decide)
     ids = chat_prompt(body.messages, plan, serving)
     constraint = _tool_constraint(body, plan)
     # max_completion_tokens replaces the deprecated max_tokens; it wins when both are set
@@ -94,13 +116,7 @@ async def chat_completions(
                            code="invalid_value")  # fmt: skip
     if constraint is None:
         constraint = requested_constraint(body.response_format, body.structured_outputs)
-    await serving.precompile(*constraint)
-    internal = _internal(body, serving, [ids], max_tokens, "chatcmpl", constraint, plan)
-    note = await _transfer(body, request, serving, internal)
-    run = generation.start(request, serving, internal, key_name)
-    shape = ChatShape(run, body, serving) if plan is None else ToolChatShape(run, body, serving)
-    response = await _respond(run, body, request, serving, shape)
-    return kv_transfer.mark(generation.flag_priority(response, serving, internal), note)
+    return _internal(body, serving, [ids], max_tokens, "chatcmpl", constraint, plan)
 
 
 async def _transfer(

@@ -47,8 +47,11 @@ class ToolPlan:
         return frozenset(tool.name for tool in self.tools)
 
 
-def tool_plan(body: ChatCompletionRequest, serving: Serving) -> ToolPlan | None:
-    """The chat request's tool plan (None: no tools offered), checked (``plan_tools``)."""
+def tool_plan(
+    body: ChatCompletionRequest, serving: Serving, decide: bool = True
+) -> ToolPlan | None:
+    """The chat request's tool plan (None: no tools offered), checked (``plan_tools``;
+    ``decide`` as there)."""
     field = body.tool_choice
     choice, name = (
         ("function", field.function.name) if isinstance(field, NamedToolChoice) else (field, None)
@@ -59,7 +62,7 @@ def tool_plan(body: ChatCompletionRequest, serving: Serving) -> ToolPlan | None:
     )  # a reply format governs the content: a mock then answers instead of calling
     parallel = body.parallel_tool_calls is not False
     tools = [_spec(tool) for tool in body.tools or []]
-    return plan_tools(tools, choice, name, parallel, serving, decide=not formatted)
+    return plan_tools(tools, choice, name, parallel, serving, decide=decide and not formatted)
 
 
 # each protocol's tool choices (OpenAI's, Anthropic's) as modes

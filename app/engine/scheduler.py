@@ -656,6 +656,7 @@ class Scheduler:
             return 1
         if token in seq.stop_token_ids and seq.num_generated >= seq.sampling.min_tokens:
             reason = FinishReason.STOP
+            seq.stop_token = token
             if not seq.include_stop:
                 self._finish(seq, reason, now)
                 finished.append(seq)

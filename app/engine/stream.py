@@ -46,6 +46,8 @@ class RequestView(Protocol):
     @property
     def error(self) -> BaseException | None: ...  # what ended it in error, if anything did
     @property
+    def stop_token(self) -> int | None: ...  # the stop token that ended it, if one did
+    @property
     def prompt_logprobs(self) -> Sequence_[Logprobs | None] | None: ...  # None: not asked
     @property
     def held(self) -> tuple[int, ...] | None: ...  # its blocks held for a remote decoder

@@ -155,6 +155,7 @@ class Sequence:
     prefix: PrefixState | None = None  # its prompt's blocks in the prefix cache (when enabled)
     finish_reason: FinishReason | None = None
     error: BaseException | None = None
+    stop_token: int | None = None  # the stop token that ended it (STOP), if one did
     times: Timestamps = field(default_factory=Timestamps)
     # log probabilities, when asked: ``logprobs[i]`` of generated token i; ``prompt_logprobs[p]``
     # of prompt token p (None at 0, which has none), filled as the prefill runs

@@ -45,6 +45,16 @@ async def test_get_load_sums_the_data_parallel_ranks(make_client: ClientFactory)
             serving.abort(stream.request_id)
 
 
+async def test_get_load_needs_no_api_key(make_client: ClientFactory) -> None:
+    """The vLLM router polls ``/get_load`` without credentials (vLLM keeps it open: its keys
+    guard ``/v1`` only), so with ``--api-key`` it stays open as ``/metrics`` is; before, it
+    answered 401 and ``power_of_two`` saw no load anywhere."""
+    async with make_client(api_key=["sekret"]) as client:
+        assert (await client.get("/get_load")).json()["load"] == 0
+        render = await client.post("/v1/completions/render", json={"prompt": "a"})
+        assert render.status_code == 401  # the /v1 routes keep their key
+
+
 async def test_orca_header_on_non_streamed_answers_as_vllm_writes_it(
     make_client: ClientFactory,
 ) -> None:
@@ -139,3 +149,52 @@ async def test_cache_config_info_describes_the_cache(make_client: ClientFactory)
         line = next(x for x in text.splitlines() if x.startswith("vllm:cache_config_info{"))
         assert 'block_size="16"' in line and 'num_gpu_blocks="64"' in line
         assert 'enable_prefix_caching="True"' in line and line.endswith(" 1.0")
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+RENDER_CASES = [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}),
+    ("/v1/completions", {"prompt": "hi", "n": 2, "temperature": 0}),
+    ("/v1/completions", {"prompt": "hi", "n": 17}),  # past --max-n
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}),
+    ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 3}),
+    ("/v1/completions", {"prompt": [[104, 105], []]}),  # an empty prompt
+    ("/v1/completions", {"prompt": [999999]}),  # outside the vocabulary
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 3, "temperature": 0}),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}),
+    ("/v1/chat/completions", {"messages": CHAT, "stop_token_ids": [999999]}),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": TOOLS, "tool_choice": "required",
+                              "response_format": {"type": "json_object"}}),
+]  # fmt: skip
+
+
+async def test_render_refuses_what_generation_refuses(make_client: ClientFactory) -> None:
+    """A render reads its body as the generation route does: the request it describes would be
+    refused there, so it is refused here, with the same answer (it answered 200 before)."""
+    async with make_client() as client:
+        for route, body in RENDER_CASES:
+            generated = await client.post(route, json=body)
+            rendered = await client.post(f"{route}/render", json=body)
+            assert generated.status_code == 400, (route, body)
+            assert rendered.status_code == 400, (route, body, rendered.text)
+            assert rendered.json()["error"] == generated.json()["error"], (route, body)
+
+
+async def test_render_draws_no_mock_tool_decision(make_client: ClientFactory) -> None:
+    """Under ``auto`` a mock draws whether it calls a tool from a generator seeded by --seed; a
+    render only describes a request, so it draws nothing: the chats after renders answer as
+    they would without them (before, each render shifted the draws)."""
+    body = {"messages": CHAT, "tools": TOOLS, "max_tokens": 40, "temperature": 0}
+
+    async def replies(render: bool) -> list[str]:
+        async with make_client(mock_tool_call_probability=0.5, seed=7) as client:
+            out = []
+            for _ in range(8):
+                if render:
+                    await client.post("/v1/chat/completions/render", json=body)
+                reply = await client.post("/v1/chat/completions", json=body)
+                out.append(json.dumps(reply.json()["choices"][0]["message"]))
+            return out
+
+    assert await replies(render=True) == await replies(render=False)
