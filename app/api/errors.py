@@ -132,8 +132,8 @@ def error_body(
     message: str, status: int, param: str | None = None, type: str | None = None
 ) -> dict[str, Any]:
     """vLLM's error body: ``type`` defaults to vLLM's for ``status``, ``code`` is ``status``."""
-    error = {"message": message, "type": type or error_type(status), "param": param}
-    return {"error": error | {"code": status}}
+    kind = type or error_type(status)
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def error_json(status: int, message: str) -> bytes:
