@@ -204,7 +204,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def attack_stream(port: int, tokens: int, results: list[str], leave_after: int = 0) -> None:
-    """One streamed completion under the attack grammar; appends how it ended: its error code,
+    """One streamed completion under the attack grammar; appends how it ended: its error type,
     ``finished``, ``left`` (the client disconnected after ``leave_after`` events, or after
     ``LEAVE_STALL`` seconds without one) or ``timeout``."""
     body = {"model": "slotserve-mock", "prompt": "hi", "max_tokens": tokens, "stream": True,
@@ -219,7 +219,7 @@ def attack_stream(port: int, tokens: int, results: list[str], leave_after: int =
     ):
         for line in response.iter_lines():
             if line.startswith("data: {") and '"error"' in line:
-                outcome = json.loads(line[6:])["error"].get("code") or "error"
+                outcome = json.loads(line[6:])["error"].get("type") or "error"
                 break
             if line == "data: [DONE]":
                 outcome = "finished"

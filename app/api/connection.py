@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from app.api.errors import error_json
+from app.api.errors import ERROR_CODE_HEADER, error_json
 
 log = logging.getLogger("slotserve.api")
 
@@ -63,10 +63,10 @@ def guarded_protocol(limits: ConnectionLimits) -> type[GuardedHttpToolsProtocol]
 
 
 def _reply(status: int, reason: bytes, message: str, code: str) -> bytes:
-    body = error_json(status, message, "invalid_request_error" if status < 500 else
-                      "service_unavailable", code)  # fmt: skip
+    body = error_json(status, message)
     head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n" % (
         status, reason, len(body))  # fmt: skip
+    head += b"%s: %s\r\n" % (ERROR_CODE_HEADER.lower().encode(), code.encode())
     extra = b"retry-after: 1\r\n" if status == 503 else b""
     return head + extra + b"connection: close\r\n\r\n" + body
 
@@ -190,9 +190,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
 async def _connection_limit_reached(scope: Any, receive: Any, send: Any) -> None:
     """The app for a request over the connection bound: 503, and the connection is closed."""
-    body = error_json(503, "too many open connections, retry later", "service_unavailable",
-                      "too_many_connections")  # fmt: skip
+    body = error_json(503, "too many open connections, retry later")
     headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
-               (b"retry-after", b"1"), (b"connection", b"close")]  # fmt: skip
+               (b"retry-after", b"1"), (b"connection", b"close"),
+               (ERROR_CODE_HEADER.lower().encode(), b"too_many_connections")]  # fmt: skip
     await send({"type": "http.response.start", "status": 503, "headers": headers})
     await send({"type": "http.response.body", "body": body})

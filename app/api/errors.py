@@ -1,4 +1,8 @@
-"""One error shape everywhere: ``{"error": {"message", "type", "param", "code"}}`` (OpenAI's).
+"""One error shape everywhere: vLLM's ``{"error": {"message", "type", "param", "code"}}``, where
+``type`` names the kind of failure as vLLM does (``BadRequestError``, ``NotFoundError`` ...; ``Bad
+Request`` for a body that fails its schema) and ``code`` repeats the HTTP status. Our own code
+naming the problem (``context_length_exceeded``, ``queue_full`` ...) rides in the
+``X-Slotserve-Error-Code`` header, where vLLM-shaped clients do not look (docs/api.md, Errors).
 
 A client's mistake is a 4xx with a message saying what is wrong; only our own faults are 5xx.
 """
@@ -33,31 +37,46 @@ from app.serving import (
 
 log = logging.getLogger("slotserve.api")
 
-INVALID = "invalid_request_error"
+ERROR_CODE_HEADER = "X-Slotserve-Error-Code"  # our code naming the problem (not in the body)
+SCHEMA_ERROR = "Bad Request"  # vLLM's type for a body that fails its schema
+
+# vLLM's error ``type`` of each status (the openai SDK's exception names, as vLLM sends them)
+ERROR_TYPES = {
+    400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+    404: "NotFoundError", 405: "MethodNotAllowedError", 408: "RequestTimeoutError",
+    409: "ConflictError", 413: "RequestTooLargeError", 422: "UnprocessableEntityError",
+    429: "RateLimitError", 431: "RequestHeaderFieldsTooLargeError",
+    500: "InternalServerError", 501: "NotImplementedError", 503: "ServiceUnavailableError",
+}  # fmt: skip
+
+
+def error_type(status: int) -> str:
+    """vLLM's error ``type`` for an answer of this status."""
+    return ERROR_TYPES.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
 
 
 class APIError(Exception):
     """An error answer, raised anywhere below the routes as one of the kinds below (a field the
     client got wrong, something not found, ...). Its kind decides its HTTP status, here and
-    nowhere else; the installed handlers render it in OpenAI's shape (``body``), and on
-    ``/v1/messages`` in Anthropic's (``anthropic_error``). ``type``: the shape's error type
-    (the kind's own unless given)."""
+    nowhere else; the installed handlers render it in vLLM's shape (``body``), and on
+    ``/v1/messages`` in Anthropic's (``anthropic_error``). ``code``: our name for the problem
+    (the ``X-Slotserve-Error-Code`` header, the Responses API's ``error.code``)."""
 
     status: ClassVar[int] = 500
-    kind: ClassVar[str] = "server_error"
 
     def __init__(
         self,
         message: str,
-        type: str | None = None,
         *,
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        type: str | None = None,
     ) -> None:
         super().__init__(message)
-        self.message, self.type = message, type or self.kind
-        self.param, self.code, self.headers = param, code, headers
+        self.message, self.type = message, type or error_type(self.status)
+        self.param, self.code = param, code
+        self.headers = (headers or {}) | ({ERROR_CODE_HEADER: code} if code else {})
 
     @property
     def server_fault(self) -> bool:
@@ -65,26 +84,26 @@ class APIError(Exception):
         return self.status >= 500
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
+        return error_body(self.message, self.status, self.param, self.type)
 
     def json(self) -> bytes:
         return json.dumps(self.body()).encode()
 
 
-def _kind(name: str, status: int, kind: str, doc: str) -> type[APIError]:
-    """An error kind: its HTTP status and its default error type."""
-    return type(name, (APIError,), {"status": status, "kind": kind, "__doc__": doc})
+def _kind(name: str, status: int, doc: str) -> type[APIError]:
+    """An error kind: its HTTP status."""
+    return type(name, (APIError,), {"status": status, "__doc__": doc})
 
 
 # The error map: each kind of error and its HTTP status (decided here, and only here).
-InvalidField = _kind("InvalidField", 400, INVALID, "A field or header the client got wrong.")
-Unauthorized = _kind("Unauthorized", 401, "authentication_error", "No valid API key.")
-NotFound = _kind("NotFound", 404, "not_found_error", "What the request names does not exist.")
-Conflict = _kind("Conflict", 409, INVALID, "It clashes with a live request (a duplicate id).")
-TooLarge = _kind("TooLarge", 413, INVALID, "The request body passes its bound.")
-Overloaded = _kind("Overloaded", 429, "overloaded_error", "Full now: retry (Retry-After).")
-ServerFault = _kind("ServerFault", 500, "server_error", "Our fault: a failed model call, a bug.")
-Unavailable = _kind("Unavailable", 503, "service_unavailable", "Not serving now (loading, ...).")
+InvalidField = _kind("InvalidField", 400, "A field or header the client got wrong.")
+Unauthorized = _kind("Unauthorized", 401, "No valid API key.")
+NotFound = _kind("NotFound", 404, "What the request names does not exist.")
+Conflict = _kind("Conflict", 409, "It clashes with a live request (a duplicate id).")
+TooLarge = _kind("TooLarge", 413, "The request body passes its bound.")
+Overloaded = _kind("Overloaded", 429, "Full now: retry (Retry-After).")
+ServerFault = _kind("ServerFault", 500, "Our fault: a failed model call, a bug.")
+Unavailable = _kind("Unavailable", 503, "Not serving now (loading, ...).")
 
 
 def documented(*answers: tuple[type[APIError], str]) -> dict[int | str, dict[str, Any]]:
@@ -110,13 +129,16 @@ def response_for(err: APIError, extra: dict[str, Any] | None = None) -> JSONResp
 
 
 def error_body(
-    message: str, type: str, param: str | None = None, code: str | None = None
+    message: str, status: int, param: str | None = None, type: str | None = None
 ) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    """vLLM's error body: ``type`` defaults to vLLM's for ``status``, ``code`` is ``status``."""
+    kind = type or error_type(status)
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-def error_json(status: int, message: str, type: str, code: str | None = None) -> bytes:
-    return json.dumps(error_body(message, type, None, code)).encode()
+def error_json(status: int, message: str) -> bytes:
+    """``error_body`` as bytes, for answers written below the app (app.api.connection)."""
+    return json.dumps(error_body(message, status)).encode()
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -145,19 +167,37 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)  # the API key was checked before (auth)
     errors = exc.errors()
     first = errors[0] if errors else {}
-    if first.get("type") == "json_invalid":
+    if first.get("type") == "json_invalid":  # where it broke, as vLLM's "body.<position>"
         message = f"request body is not valid JSON: {first.get('msg', '')}"
-        return JSONResponse(error_body(message, INVALID, None, "json_invalid"), status_code=400)
-    chosen, param, problem = _problem(errors)
+        return _schema_error(message, _param(first.get("loc", ())), "json_invalid")
+    chosen, field, problem = _problem(errors)
     code = chosen.get("type")
-    if param is None and code in ("model_attributes_type", "missing"):
+    if field is None and code in ("model_attributes_type", "missing"):
         message = "request body must be a JSON object (send Content-Type: application/json)"
-        return JSONResponse(error_body(message, INVALID, None, code), status_code=400)
-    message = f"{param or 'body'}: {problem}"
+        return _schema_error(message, None, code)
+    message = f"{field or 'body'}: {problem}"
     others = {_field(e) for e in errors} - {_field(chosen)}
     if others:
         message += f" (and {len(others)} more field(s) with problems)"
-    return JSONResponse(error_body(message, INVALID, param, code), status_code=400)
+    if code in VALUE_ERRORS:  # vLLM checks values itself: its BadRequestError names the field
+        return response_for(InvalidField(message, param=field, code=code))
+    return _schema_error(message, field, code)
+
+
+# pydantic's errors about a value out of its range (a bound, a length, a validator's check),
+# not about the body's structure (a missing field, a wrong type, an unknown literal)
+VALUE_ERRORS = frozenset({
+    "greater_than", "greater_than_equal", "less_than", "less_than_equal", "multiple_of",
+    "too_short", "too_long", "string_too_short", "string_too_long", "value_error",
+    "assertion_error", "finite_number",
+})  # fmt: skip
+
+
+def _schema_error(message: str, field: str | None, code: str | None) -> JSONResponse:
+    """400 for a body that fails its schema (or is no JSON), in vLLM's shape for it: type
+    ``Bad Request``, ``param`` the field's path under ``body`` (``body.messages.0.role``)."""
+    param = f"body.{field}" if field else "body"
+    return response_for(InvalidField(message, param=param, code=code, type=SCHEMA_ERROR))
 
 
 _UNION_MEMBER = re.compile(r"[\[\](), -]|^(str|int|float|bool|list|dict|none)$")
@@ -206,11 +246,9 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
         # FastAPI's answer to a body json.loads cannot even start on (invalid UTF-8) or gives
         # up on (nested past Python's recursion limit): still a JSON error, so say so
         what = "not UTF-8" if isinstance(exc.__cause__, UnicodeDecodeError) else "nested too deep"
-        message = f"request body is not valid JSON: {what}"
-        return JSONResponse(error_body(message, INVALID, None, "json_invalid"), status_code=400)
-    kind = "not_found_error" if exc.status_code == 404 else INVALID
+        return _schema_error(f"request body is not valid JSON: {what}", None, "json_invalid")
     return JSONResponse(
-        error_body(str(exc.detail), kind, None, None),
+        error_body(str(exc.detail), exc.status_code),
         status_code=exc.status_code,
         headers=exc.headers,
     )
@@ -218,10 +256,7 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return JSONResponse(
-        error_body("internal server error", "server_error", None, "internal_error"),
-        status_code=500,
-    )
+    return response_for(ServerFault("internal server error", code="internal_error"))
 
 
 # The errors a failure can be injected as (app/api/faults.py) are built here, by the functions

@@ -79,7 +79,9 @@ class NativeEvents:
         yield sse_event("done", done_payload(self.run, self.serving))
 
     def failure(self, error: APIError) -> Iterable[bytes]:
-        yield sse_event("error", error.body() | {"request_id": self.run.id})
+        yield sse_event(
+            "error", error.body() | {"request_id": self.run.id, "error_code": error.code}
+        )
 
     def closed(self) -> None:
         return None

@@ -369,7 +369,14 @@ class CompletionShape(Shape):
             out["prompt_logprobs"] = prompt_logprobs(view.prompt, view.prompt_logprobs, self.text)
         return out
 
-    delta = rendered
+    def delta(self, piece: Piece) -> dict[str, Any]:
+        """A streamed chunk: ``rendered``, and on an echoed choice's first chunk its prompt's
+        token ids (``prompt_token_ids``, as vLLM's stream sends them)."""
+        echoed = self.echo and piece.index not in self.started
+        out = self.rendered(piece)
+        if echoed:
+            out["prompt_token_ids"] = list(self.run.choices[piece.index].stream.view.prompt)
+        return out
 
 
 class ChatShape(Shape):

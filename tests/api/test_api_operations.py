@@ -17,7 +17,7 @@ async def test_health_is_200_while_serving_and_503_once_draining(
         r = await client.get("/health")
         assert r.status_code == 503 and r.json()["status"] == "draining"
         r = await client.post("/generate", json={"prompt": "x"})
-        assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
+        assert r.status_code == 503 and r.headers["x-slotserve-error-code"] == "draining"
 
 
 async def test_version_answers_as_vllm_does(make_client: ClientFactory) -> None:
@@ -113,7 +113,7 @@ async def test_api_key_guards_generation_cancel_and_slots_but_not_health(
             for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):
                 r = await client.request(method, path, json=body, headers=headers)
                 assert r.status_code == 401, (path, headers)
-                assert r.json()["error"]["type"] == "authentication_error"
+                assert r.json()["error"]["type"] == "AuthenticationError"
             r = await client.request(
                 method, path, json=body, headers={"authorization": "Bearer s3cret"}
             )

@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 from conftest import ClientFactory, serving_of
+from error_shape import field_of
 from pydantic import ValidationError
 from reference import run_alone
 from server_process import running_server
@@ -55,7 +56,7 @@ async def test_priority_outside_its_range_is_a_400(
 ) -> None:
     async with make_client(policy="priority") as client:
         r = await client.post(route, json=body | {"priority": 1001})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+    assert r.status_code == 400 and field_of(r.json()["error"]) == "priority"
 
 
 async def until(predicate: object, timeout: float = 5.0) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import ClientFactory, app_client, serving_of
+from error_shape import field_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sse import Event, parse_sse
@@ -121,7 +122,7 @@ async def test_messages_bad_input_is_answered_in_anthropics_shape(
         anthropic_error(r, 400, "invalid_request_error")
         # the other routes keep the one OpenAI shape
         r = await post("/v1/chat/completions", json={"messages": USER, "model": "x"})
-        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert r.status_code == 404 and r.headers["x-slotserve-error-code"] == "model_not_found"
 
 
 async def test_a_tool_round_trip_in_history_reaches_the_prompt(make_client: ClientFactory) -> None:
@@ -271,9 +272,9 @@ async def test_stored_responses_are_retrieved_and_chained(make_client: ClientFac
         unstored = {"input": "hi", "max_output_tokens": 2, "store": False}
         gone = (await client.post("/v1/responses", json=unstored)).json()
         r = await client.get(f"/v1/responses/{gone['id']}")
-        assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
+        assert r.status_code == 404 and r.headers["x-slotserve-error-code"] == "response_not_found"
         r = await client.post("/v1/responses", json={"input": "x", "previous_response_id": "no"})
-        assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+        assert r.status_code == 404 and field_of(r.json()["error"]) == "previous_response_id"
 
 
 async def test_responses_bad_input_is_a_400_naming_the_field(make_client: ClientFactory) -> None:
@@ -292,7 +293,7 @@ async def test_responses_bad_input_is_a_400_naming_the_field(make_client: Client
             r = await client.post("/v1/responses", json={"input": "hi"} | extra)
             error = r.json()["error"]
             assert r.status_code == 400, (extra, r.text)
-            assert error["param"].startswith(param), (extra, error)
+            assert str(field_of(error)).startswith(param), (extra, error)
             assert word in error["message"], (extra, error)
         call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
         answer = {"type": "function_call_output", "call_id": "c1", "output": "42"}
@@ -405,9 +406,9 @@ async def test_text_format_json_schema_constrains_a_response(make_client: Client
         bad = body | {"text": {"format": {"type": "json_schema", "name": "p",
                                           "schema": {"type": "nonsense"}}}}  # fmt: skip
         r = await client.post("/v1/responses", json=bad)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.schema"
+        assert r.status_code == 400 and field_of(r.json()["error"]) == "text.format.schema"
         r = await client.post("/v1/responses", json=body | {"text": {"format": {"type": "yaml"}}})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.type"
+        assert r.status_code == 400 and field_of(r.json()["error"]) == "text.format.type"
 
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -478,7 +479,7 @@ async def test_tool_bad_input_is_a_400_naming_the_field(make_client: ClientFacto
         for extra, param in responses:
             r = await client.post("/v1/responses", json={"input": "hi"} | extra)
             assert r.status_code == 400, (extra, r.text)
-            assert r.json()["error"]["param"] == param, (extra, r.json())
+            assert field_of(r.json()["error"]) == param, (extra, r.json())
 
 
 async def test_output_text_logprobs_when_included(make_client: ClientFactory) -> None:
@@ -522,7 +523,7 @@ async def test_background_responses_are_bounded_by_the_store_size(
         ids = [(await client.post("/v1/responses", json=body)).json()["id"] for _ in range(2)]
         r = await client.post("/v1/responses", json=body)
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
-        assert r.json()["error"]["code"] == "too_many_background_responses"
+        assert r.headers["x-slotserve-error-code"] == "too_many_background_responses"
         for response_id in ids:
             await client.post(f"/v1/responses/{response_id}/cancel")
         assert (await client.post("/v1/responses", json=body)).status_code == 200
@@ -535,7 +536,10 @@ async def test_chaining_from_a_failed_response_is_a_400(make_client: ClientFacto
         failed = parse_sse(r.text)[-1].data["response"]
         chained = {"input": "and?", "previous_response_id": failed["id"]}
         r = await client.post("/v1/responses", json=chained)
-        assert r.status_code == 400 and r.json()["error"]["code"] == "previous_response_failed"
+        assert (
+            r.status_code == 400
+            and r.headers["x-slotserve-error-code"] == "previous_response_failed"
+        )
 
 
 def test_an_abort_is_reported_in_each_protocols_own_vocabulary() -> None:

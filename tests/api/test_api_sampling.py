@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from conftest import ClientFactory
+from error_shape import field_of
 from sse import parse_sse
 
 from app.api.aligned_tokens import AlignedTokens
@@ -190,7 +191,7 @@ async def test_bad_sampling_input_is_a_400_naming_the_field(
     async with make_client() as client:
         r = await client.post(path, json=body | extra)
         assert r.status_code == 400, r.text
-        assert r.json()["error"]["param"] == param, r.text
+        assert field_of(r.json()["error"]) == param, r.text
 
 
 async def test_bad_words_are_never_completed(make_client: ClientFactory) -> None:
@@ -240,7 +241,7 @@ async def test_a_request_forbidding_every_token_is_a_400_naming_the_field(
     async with make_client(CachedMockModel(8), num_slots=8) as client:
         r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4} | extra)
         assert r.status_code == 400, r.text
-        assert r.json()["error"]["param"] == param, r.text
+        assert field_of(r.json()["error"]) == param, r.text
         fine = {"allowed_token_ids": [101, 102], "logit_bias": {"101": -100}}
         text = (await _completion(client, max_tokens=4, **fine))["choices"][0]["text"]
         assert text == "ffff"
@@ -254,7 +255,7 @@ async def test_a_ban_emptying_a_row_mid_output_fails_that_request_alone(
     async with make_client(model, num_slots=8) as client:
         body = {"prompt": "hi", "max_tokens": 4, "allowed_token_ids": [97], "bad_words": ["aa"]}
         r = await client.post("/v1/completions", json=body)
-        assert r.status_code == 500 and r.json()["error"]["code"] == "model_error", r.text
+        assert r.status_code == 500 and r.headers["x-slotserve-error-code"] == "model_error", r.text
         assert "forbid every token" in r.json()["error"]["message"]
         assert (await _completion(client, max_tokens=4))["choices"][0]["text"]
 
@@ -382,6 +383,9 @@ async def test_echo_scores_a_list_of_prompts_as_lm_eval_batches_them(
         for k in range(4):
             text = "".join(c["text"] for c in chunks if c["index"] == k)
             assert text == two["choices"][k]["text"]
+            mine = [c for c in chunks if c["index"] == k]  # vLLM's stream: the prompt's ids
+            assert mine[0]["prompt_token_ids"] == ids[k // 2]  # come with the echoed prompt
+            assert all("prompt_token_ids" not in c for c in mine[1:])
 
 
 async def test_an_n_that_can_never_fit_is_a_400_not_a_retryable_429(
@@ -392,9 +396,9 @@ async def test_an_n_that_can_never_fit_is_a_400_not_a_retryable_429(
     async with make_client(MockModel(), num_slots=2, max_waiting=2) as client:
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 5}
         r = await client.post("/v1/chat/completions", json=body)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        assert r.status_code == 400 and field_of(r.json()["error"]) == "n", r.text
         assert "retry-after" not in r.headers
         r = await client.post("/v1/chat/completions", json={**body, "n": 4})
         assert r.status_code == 200 and len(r.json()["choices"]) == 4
         r = await client.post("/v1/completions", json={"prompt": ["a", "b", "c"], "n": 2})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        assert r.status_code == 400 and field_of(r.json()["error"]) == "n", r.text

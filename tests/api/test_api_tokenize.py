@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from conftest import ClientFactory
+from error_shape import field_of
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -41,12 +42,12 @@ async def test_a_developer_message_is_rendered_as_a_system_one(make_client: Clie
 async def test_tokenizer_routes_refuse_bad_input(make_client: ClientFactory) -> None:
     async with make_client() as client:
         r = await client.post("/detokenize", json={"tokens": [1, 257]})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+        assert r.status_code == 400 and field_of(r.json()["error"]) == "tokens"
         r = await client.post("/tokenize", json={"prompt": "a", "messages": MESSAGES})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        assert r.status_code == 400 and field_of(r.json()["error"]) == "prompt"
         r = await client.post("/tokenize", json={})
         assert r.status_code == 400
         r = await client.post("/tokenize", json={"prompt": "a", "add_special_tokens": False})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_tokens"
+        assert r.status_code == 400 and field_of(r.json()["error"]) == "add_special_tokens"
         r = await client.post("/tokenize", json={"prompt": "a", "model": "other"})
-        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert r.status_code == 404 and r.headers["x-slotserve-error-code"] == "model_not_found"

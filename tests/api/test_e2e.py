@@ -128,7 +128,7 @@ async def test_overload_is_429_with_retry_after_at_once(one_slot: ServerProcess)
                 # request ahead of it (40 s, past the client's timeout) and then get 200
                 r = await client.post("/generate", json={"prompt": "x", "max_tokens": 1})
                 assert r.status_code == 429 and r.headers["retry-after"] == "1"
-                assert r.json()["error"]["code"] == "queue_full"
+                assert r.headers["x-slotserve-error-code"] == "queue_full"
 
 
 async def aborted(client: httpx.AsyncClient) -> float:
@@ -179,7 +179,10 @@ async def _drain_scenario(server: ServerProcess, grace: float) -> None:
             server.terminate()
             await eventually(lambda: _status_is(client, "/health", 503))
             refused = await client.post("/generate", json={"prompt": "late"})
-            assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+            assert (
+                refused.status_code == 503
+                and refused.headers["x-slotserve-error-code"] == "draining"
+            )
             assert await _last_event(short_lines) == ("done", "length")  # finished within grace
             assert await _last_event(long_lines) == ("done", "abort")  # cut at the end of grace
             assert time.monotonic() - signalled >= grace * 0.9

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from error_shape import field_of
 from server_process import ServerProcess, running_server, wait_until
 from test_structured import MaskedRandomModel, drive
 
@@ -218,7 +219,8 @@ def test_the_attack_is_a_400_invalid_grammar_while_health_answers(server: Server
         )
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
-    assert (error["code"], error["param"]) == ("invalid_grammar", "structured_outputs.grammar")
+    assert reply.headers["x-slotserve-error-code"] == "invalid_grammar"
+    assert (error["code"], field_of(error)) == (400, "structured_outputs.grammar")
     assert "CPU time" in error["message"]
     assert probe.probes > 5 and probe.worst < HEALTH_BOUND
 
@@ -236,7 +238,7 @@ def test_a_streamed_attack_ends_with_the_error_event_while_health_answers(
         events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     assert len(events) > 100  # the text before the budget ran out was streamed
     error = json.loads(events[-1])["error"]
-    assert (error["code"], error["param"]) == ("invalid_grammar", "structured_outputs.grammar")
+    assert (error["type"], field_of(error)) == ("BadRequestError", "structured_outputs.grammar")
     assert probe.worst < HEALTH_BOUND
 
 

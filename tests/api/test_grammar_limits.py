@@ -12,6 +12,7 @@ from typing import Any
 import openai
 import pytest
 from conftest import ClientFactory
+from error_shape import field_of
 from server_process import ServerProcess, running_server
 from sse import parse_sse
 from test_structured import COMPILER, MaskedRandomModel, constrained, drive, replays
@@ -85,7 +86,7 @@ def test_the_api_answers_a_grammar_limit_400_and_a_model_failure_500() -> None:
     assert (limit.status, limit.code, limit.param) == (400, "invalid_grammar", "tools")
     assert limit.message.startswith("tools: ") and "Current row has 2003 items" in limit.message
     failed = generation_failed(ModelOutputError("bad token"), "response_format")
-    assert (failed.status, failed.code, failed.type) == (500, "model_error", "server_error")
+    assert (failed.status, failed.code, failed.type) == (500, "model_error", "InternalServerError")
 
 
 # llguidance's own limits, without the server's CPU budget (which, timed, may come first:
@@ -114,14 +115,14 @@ def test_the_openai_sdk_gets_a_400_naming_the_grammar_field(server: ServerProces
             model="slotserve-mock", messages=[{"role": "user", "content": "hi"}],
             max_tokens=500, extra_body=GRAMMAR_BODY,
         )  # fmt: skip
-    assert caught.value.code == "invalid_grammar"
+    assert caught.value.response.headers["x-slotserve-error-code"] == "invalid_grammar"
     assert caught.value.param == "structured_outputs.grammar"
     assert LIMIT_MESSAGE in caught.value.message and "<state>" not in caught.value.message
     with pytest.raises(openai.BadRequestError) as on_completions:
         client.completions.create(
             model="slotserve-mock", prompt="hi", max_tokens=500, extra_body=GRAMMAR_BODY
         )
-    assert on_completions.value.code == "invalid_grammar"
+    assert on_completions.value.response.headers["x-slotserve-error-code"] == "invalid_grammar"
     reply = client.chat.completions.create(  # the server is fine: its slots were freed
         model="slotserve-mock", messages=[{"role": "user", "content": "hi"}], max_tokens=5
     )
@@ -141,8 +142,8 @@ def test_a_streamed_request_ends_with_the_one_error_event(server: ServerProcess)
     assert "".join(text)  # the text before it gave up was sent
     assert LIMIT_MESSAGE in caught.value.message
     assert isinstance(caught.value.body, dict)
-    assert caught.value.body["code"] == "invalid_grammar"
-    assert caught.value.body["param"] == "structured_outputs.grammar"
+    assert (caught.value.body["type"], caught.value.body["code"]) == ("BadRequestError", 400)
+    assert field_of(caught.value.body) == "structured_outputs.grammar"
 
 
 async def test_responses_and_messages_answer_it_in_their_own_shapes(
@@ -163,7 +164,10 @@ async def test_responses_and_messages_answer_it_in_their_own_shapes(
         whole = await client.post("/v1/responses", json=body)
         assert whole.status_code == 400, whole.text
         error = whole.json()["error"]
-        assert (error["code"], error["param"]) == ("invalid_grammar", "tools")
+        assert (whole.headers["x-slotserve-error-code"], field_of(error)) == (
+            "invalid_grammar",
+            "tools",
+        )
         assert LIMIT_MESSAGE in error["message"]
         events = await client.post("/v1/responses", json=body | {"stream": True})
         streamed = parse_sse(events.text)

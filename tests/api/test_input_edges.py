@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 from conftest import ClientFactory, serving_of
+from error_shape import field_of
 from lora_adapter import adapter_dir
 from server_process import ServerProcess, running_server
 
@@ -42,7 +43,7 @@ def test_a_rank_header_of_5000_digits_is_a_400_naming_the_header(server: ServerP
                             headers={"x-data-parallel-rank": value})  # fmt: skip
         assert answer.status_code == 400
         error = answer.json()["error"]
-        assert error["param"] == "x-data-parallel-rank" and len(error["message"]) < 200
+        assert field_of(error) == "x-data-parallel-rank" and len(error["message"]) < 200
     assert httpx.post(server.url + "/generate", json=body, timeout=10,
                       headers={"x-data-parallel-rank": "0"}).status_code == 200  # fmt: skip
 
@@ -76,7 +77,7 @@ def test_lora_names_outside_the_pattern_are_refused(
     server: ServerProcess, tmp_path: Path, name: str
 ) -> None:
     answer = _load(server, name, str(adapter_dir(tmp_path)))
-    assert answer.status_code == 400 and answer.json()["error"]["param"] == "lora_name"
+    assert answer.status_code == 400 and field_of(answer.json()["error"]) == "lora_name"
     models = httpx.get(server.url + "/v1/models", timeout=10).json()["data"]
     assert name not in {m["id"] for m in models}
 

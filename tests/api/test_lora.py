@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ClientFactory, serving_of
+from error_shape import field_of
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -270,18 +271,23 @@ async def test_load_unload_and_serve_adapters_over_http(
         )
         third = await client.post("/v1/load_lora_adapter",
                                   json={"lora_name": "x", "lora_path": str(tmp_path)})  # fmt: skip
-        assert third.status_code == 400 and third.json()["error"]["code"] == "too_many_loras"
+        assert (
+            third.status_code == 400 and third.headers["x-slotserve-error-code"] == "too_many_loras"
+        )
         missing = await client.post("/v1/load_lora_adapter",
                                     json={"lora_name": "y", "lora_path": "/no/such"})  # fmt: skip
-        assert missing.status_code == 400 and missing.json()["error"]["param"] == "lora_path"
+        assert missing.status_code == 400 and field_of(missing.json()["error"]) == "lora_path"
         bad = await client.post("/v1/load_lora_adapter", json={"lora_name": "z"})
-        assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+        assert bad.status_code == 400 and field_of(bad.json()["error"]) == "lora_path"
 
         body = {"model": "chat", "prompt": "Hello ", "max_tokens": 3}
         done = await client.post("/v1/completions", json=body)
         assert done.status_code == 200 and done.json()["model"] == "chat"
         unknown = await client.post("/v1/completions", json={**body, "model": "nope"})
-        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+        assert (
+            unknown.status_code == 404
+            and unknown.headers["x-slotserve-error-code"] == "model_not_found"
+        )
 
         # unloading an adapter a request still uses: 200; the request finishes; new ones 404
         serving = serving_of(client)

@@ -12,6 +12,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from error_shape import field_of
 from lora_adapter import adapter_dir
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import ServerProcess, running_server, wait_until
@@ -71,7 +72,8 @@ def test_an_unknown_model_is_the_404_chat_gives(server: ServerProcess) -> None:
         client.responses.create(model="nope", input="Hi")
     chat_error = on_chat.value.body
     assert isinstance(chat_error, dict) and on_responses.value.body == chat_error
-    assert chat_error["code"] == "model_not_found" and chat_error["param"] == "model"
+    assert chat_error["code"] == 404 and field_of(chat_error) == "model"
+    assert on_chat.value.response.headers["x-slotserve-error-code"] == "model_not_found"
     claude = _anthropic(server)
     with pytest.raises(anthropic.NotFoundError) as on_messages:
         claude.messages.create(model="nope", max_tokens=8, messages=HI)

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 from conftest import ClientFactory
+from error_shape import field_of
 from server_process import ServerProcess, running_server
 
 MODEL = "slotserve-mock"
@@ -33,8 +34,11 @@ def test_n_times_prompt_logprobs_is_refused_before_admission(server: ServerProce
                                       max_tokens=8, stream=stream,
                                       extra_body={"prompt_logprobs": 20})  # fmt: skip
         error = bad.value.body
-        assert isinstance(error, dict) and error["code"] == "too_many_logprobs"
-        assert error["param"] == "prompt_logprobs" and "n (16)" in error["message"]
+        assert (
+            isinstance(error, dict)
+            and bad.value.response.headers["x-slotserve-error-code"] == "too_many_logprobs"
+        )
+        assert field_of(error) == "prompt_logprobs" and "n (16)" in error["message"]
     metrics = httpx.get(server.url + "/metrics").text
     assert (
         'vllm:prompt_tokens_total{engine="0",model_name="slotserve-mock"} 0.0' in metrics
@@ -49,7 +53,10 @@ async def test_chat_top_logprobs_times_n_is_refused(make_client: ClientFactory) 
         r = await client.post("/v1/chat/completions", json=body)
         assert r.status_code == 400, r.text[:200]
         error = r.json()["error"]
-        assert error["param"] == "top_logprobs" and error["code"] == "too_many_logprobs"
+        assert (
+            field_of(error) == "top_logprobs"
+            and r.headers["x-slotserve-error-code"] == "too_many_logprobs"
+        )
         for field in ("top_logprobs", "n", "max_completion_tokens", "--max-logprob-entries"):
             assert field in error["message"]
         ok = await client.post("/v1/chat/completions", json=body | {"max_tokens": 200})
@@ -65,7 +72,7 @@ async def test_chat_prompt_logprobs_count_every_choices_prefill(
     async with make_client(max_model_len=1024) as client:  # bound: 8 x 1024 prompt tokens
         assert (await client.post("/v1/chat/completions", json=body | {"n": 8})).status_code == 200
         r = await client.post("/v1/chat/completions", json=body | {"n": 16})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+        assert r.status_code == 400 and field_of(r.json()["error"]) == "prompt_logprobs"
 
 
 async def test_lm_eval_loglikelihood_batches_up_to_eight_full_contexts(
@@ -96,7 +103,7 @@ async def test_responses_top_logprobs_are_bounded(make_client: ClientFactory) ->
             "include": ["message.output_text.logprobs"]}  # fmt: skip
     async with make_client(max_logprob_entries=20_000) as client:
         r = await client.post("/v1/responses", json=body)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+        assert r.status_code == 400 and field_of(r.json()["error"]) == "top_logprobs"
         r = await client.post("/v1/responses", json=body | {"max_output_tokens": 900})
         assert r.status_code == 200
 
@@ -107,12 +114,12 @@ async def test_a_whole_reply_past_the_byte_bound_is_a_400(make_client: ClientFac
     body = {"prompt": "x", "max_tokens": 400, "ignore_eos": True, "n": 4}
     async with make_client(max_response_bytes=2048, mock_stop_probability=0) as client:
         r = await client.post("/v1/completions", json=body)
-        assert r.status_code == 400 and r.json()["error"]["code"] == "response_too_large"
+        assert r.status_code == 400 and r.headers["x-slotserve-error-code"] == "response_too_large"
         assert "--max-response-bytes (2048)" in r.json()["error"]["message"]
         streamed = await client.post("/v1/completions", json=body | {"stream": True})
         assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
         response = {"input": "x", "max_output_tokens": 2000}
         r = await client.post("/v1/responses", json=response)
-        assert r.status_code == 400 and r.json()["error"]["code"] == "response_too_large"
+        assert r.status_code == 400 and r.headers["x-slotserve-error-code"] == "response_too_large"
         small = await client.post("/v1/completions", json=body | {"max_tokens": 5})
         assert small.status_code == 200

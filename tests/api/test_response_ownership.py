@@ -77,7 +77,7 @@ def test_another_keys_background_response_cannot_be_cancelled_or_seen(
         with pytest.raises(openai.NotFoundError):
             bob.responses.cancel(running.id)
         r = as_bob.delete(f"/requests/{running.id}")
-        assert r.status_code == 404 and r.json()["error"]["code"] == "request_not_found"
+        assert r.status_code == 404 and r.headers["x-slotserve-error-code"] == "request_not_found"
         assert alice.responses.retrieve(running.id).status == "in_progress"
         assert alice.responses.cancel(running.id).status == "cancelled"
 

@@ -128,7 +128,7 @@ async def test_render_gives_the_token_ids_generation_feeds(make_client: ClientFa
 async def test_render_refuses_bad_input(make_client: ClientFactory) -> None:
     async with make_client(max_model_len=512) as client:
         r = await client.post("/v1/completions/render", json={"prompt": "a", "model": "other"})
-        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert r.status_code == 404 and r.headers["x-slotserve-error-code"] == "model_not_found"
         r = await client.post("/v1/chat/completions/render", json={"messages": []})
         assert r.status_code == 400
         r = await client.post(
@@ -136,9 +136,12 @@ async def test_render_refuses_bad_input(make_client: ClientFactory) -> None:
         )
         assert r.status_code == 413
         r = await client.post("/v1/completions/render", json={"prompt": "a" * 600})
-        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert (
+            r.status_code == 400
+            and r.headers["x-slotserve-error-code"] == "context_length_exceeded"
+        )
         generated = await client.post("/v1/completions", json={"prompt": "a" * 600})
-        assert generated.json()["error"]["code"] == "context_length_exceeded"
+        assert generated.headers["x-slotserve-error-code"] == "context_length_exceeded"
 
 
 async def test_cache_config_info_describes_the_cache(make_client: ClientFactory) -> None:

@@ -14,6 +14,7 @@ import httpx
 import msgspec
 import zmq
 from conftest import ClientFactory, serving_of
+from error_shape import field_of
 from kv_subscriber import Recent, V026Batch
 from server_process import free_port, running_server, wait_until
 
@@ -41,7 +42,7 @@ async def test_sleep_refuses_generation_until_every_part_is_awake(
         for route, body in (("/v1/completions", COMPLETION), ("/generate", native)):
             refused = await client.post(route, json=body)
             assert refused.status_code == 503, refused.text
-            assert refused.json()["error"]["code"] == "sleeping"
+            assert refused.headers["x-slotserve-error-code"] == "sleeping"
             assert refused.headers["retry-after"] == "1"
         assert (await client.post("/wake_up", params={"tags": "weights"})).status_code == 200
         assert (await client.get("/is_sleeping")).json() == {"is_sleeping": True}
@@ -65,9 +66,9 @@ async def test_bad_sleep_arguments_get_400_naming_the_parameter(
     async with make_client(enable_sleep_mode=True) as client:
         for level in ("0", "3", "x"):
             answer = await client.post("/sleep", params={"level": level})
-            assert answer.status_code == 400 and answer.json()["error"]["param"] == "level"
+            assert answer.status_code == 400 and field_of(answer.json()["error"]) == "level"
         answer = await client.post("/wake_up", params={"tags": "gpu"})
-        assert answer.status_code == 400 and answer.json()["error"]["param"] == "tags"
+        assert answer.status_code == 400 and field_of(answer.json()["error"]) == "tags"
         assert (await client.get("/is_sleeping")).json() == {"is_sleeping": False}
 
 
@@ -95,7 +96,10 @@ def test_startup_delay_holds_health_at_503_then_serves() -> None:
         if time.monotonic() - started < 2:  # (a very slow start may pass the delay first)
             assert first.status_code == 503 and first.json()["status"] == "starting"
             refused = httpx.post(url + "/v1/completions", json=COMPLETION)
-            assert refused.status_code == 503 and refused.json()["error"]["code"] == "starting"
+            assert (
+                refused.status_code == 503
+                and refused.headers["x-slotserve-error-code"] == "starting"
+            )
         wait_until(lambda: (r := answer()) is not None and r.status_code == 200, 20, "ready")
         assert time.monotonic() - started >= 2
         assert httpx.post(url + "/v1/completions", json=COMPLETION).status_code == 200

@@ -11,6 +11,7 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
+from error_shape import field_of
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 from server_process import ServerProcess, running_server
 
@@ -245,7 +246,7 @@ def test_bad_tool_input_is_a_400_naming_the_field(
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(**body)
     error = caught.value.body
-    assert isinstance(error, dict) and error.get("param") == param, error
+    assert isinstance(error, dict) and field_of(error) == param, error
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -313,4 +314,4 @@ def test_structured_fields_that_cannot_be_honoured_are_a_400(
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=MODEL, messages=ASK, extra_body=extra)
     error = caught.value.body
-    assert isinstance(error, dict) and error.get("param") == param, error
+    assert isinstance(error, dict) and field_of(error) == param, error

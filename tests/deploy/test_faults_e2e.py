@@ -121,4 +121,4 @@ def test_nginx_hides_injected_429s_unless_the_docs_turn_its_retries_off(
     assert [r.status_code for r in hidden] == [200] * 6  # retried on the clean replica
     refused = [r for r in shown if r.status_code == 429]
     assert refused and all(r.headers["retry-after"] == "1" for r in refused)
-    assert {r.json()["error"]["code"] for r in refused} == {"queue_full"}
+    assert {r.headers["x-slotserve-error-code"] for r in refused} == {"queue_full"}

@@ -393,6 +393,11 @@ def test_nginx_answers_overload_of_every_replica_in_our_error_shape(tmp_path: Pa
                 assert answer.status_code in (429, 503), answer.text
                 assert answer.headers["content-type"].startswith("application/json")
                 assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
+                assert answer.json()["error"]["code"] == answer.status_code  # vLLM's shape
+                assert answer.headers["x-slotserve-error-code"] in (
+                    "queue_full",
+                    "no_replica_available",
+                )
                 assert int(answer.headers["retry-after"]) >= 1
             cancel = lb.delete(f"{running.nginx.url}/requests/nginx-victim-1")
             assert cancel.status_code == 200, cancel.text

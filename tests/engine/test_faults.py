@@ -12,6 +12,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 from conftest import ClientFactory, serving_of
+from error_shape import field_of
 from sse import parse_sse
 
 from app.api.faults import FaultInjector
@@ -79,7 +80,7 @@ async def test_injected_engine_overloaded_is_the_real_503_while_draining(
         await serving_of(client).stop()
         real = await client.post(path, json=body)
     assert real.status_code == 503 and real.headers["retry-after"] == "1"
-    assert real.json()["error"]["code"] == "draining"
+    assert real.headers["x-slotserve-error-code"] == "draining"
     same(real, injected)
 
 
@@ -103,7 +104,7 @@ async def test_injected_context_length_is_the_real_400_with_the_requests_own_fig
         real = await client.post(path, json=body | {"max_tokens": 99})
         fits = body | {"max_tokens": 10}
         injected = await client.post(path, json=fits, headers={FAIL: "context_length"})
-    assert real.json()["error"]["code"] == "context_length_exceeded"
+    assert real.headers["x-slotserve-error-code"] == "context_length_exceeded"
     assert "+ max_tokens (10) exceeds the context length of 100" in injected.text
     same(real, injected, mask=lambda text: re.sub(r"\d+", "N", text))
 
@@ -115,7 +116,7 @@ async def test_injected_model_not_found_is_the_real_404(
     async with make_client(allow_fault_headers=True) as client:
         real = await client.post(path, json=body | {"model": "gpt-9"})
         injected = await client.post(path, json=body, headers={FAIL: "model_not_found"})
-    assert real.json()["error"]["code"] == "model_not_found"
+    assert real.headers["x-slotserve-error-code"] == "model_not_found"
     same(real, injected, mask=lambda text: text.replace("gpt-9", "slotserve-mock"))
 
 
@@ -125,7 +126,7 @@ async def test_injected_model_not_found_on_the_native_route_names_the_served_mod
     async with make_client(allow_fault_headers=True) as client:
         path, body = NATIVE
         r = await client.post(path, json=body, headers={FAIL: "model_not_found"})
-    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert r.status_code == 404 and field_of(r.json()["error"]) == "model"
     assert "'slotserve-mock' does not exist" in r.json()["error"]["message"]
 
 
@@ -281,7 +282,11 @@ async def test_a_break_after_zero_tokens_sends_only_the_error(make_client: Clien
         body = {"model": "slotserve-mock", "prompt": "hi", "max_tokens": 50, "stream": True}
         r = await client.post("/v1/completions", json=body, headers={FAIL_AFTER: "0"})
     (error,) = parse_sse(r.text)
-    assert error.data["error"]["code"] == "model_error"
+    assert (error.data["error"]["type"], error.data["error"]["code"]) == (
+        "InternalServerError",
+        500,
+    )
+    assert error.data["error"]["message"].startswith("model call failed")
 
 
 @pytest.mark.parametrize("header", [FAIL, FAIL_AFTER])
@@ -294,7 +299,10 @@ async def test_fault_headers_are_refused_without_allow_fault_headers(
         r = await client.post(path, json=body, headers={header: value})
     assert r.status_code == 400
     error = r.json()["error"]
-    assert error["code"] == "fault_headers_not_allowed" and error["param"] == header
+    assert (
+        r.headers["x-slotserve-error-code"] == "fault_headers_not_allowed"
+        and field_of(error) == header
+    )
     assert "--allow-fault-headers" in error["message"]
 
 
@@ -308,14 +316,14 @@ async def test_a_bad_fault_header_is_a_400_naming_it(
     async with make_client(allow_fault_headers=True) as client:
         r = await client.post("/generate", json=NATIVE[1], headers={header: value})
     assert r.status_code == 400
-    assert r.json()["error"]["param"] == header and header in r.json()["error"]["message"]
+    assert field_of(r.json()["error"]) == header and header in r.json()["error"]["message"]
 
 
 async def test_a_real_error_wins_over_an_injected_one(make_client: ClientFactory) -> None:
     async with make_client(allow_fault_headers=True, failure_rate=1.0) as client:
         too_long = {"prompt": "hi", "max_tokens": 9000}
         r = await client.post("/generate", json=too_long, headers={FAIL: "rate_limit"})
-    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.status_code == 400 and r.headers["x-slotserve-error-code"] == "context_length_exceeded"
 
 
 N_DRAWS = 2000

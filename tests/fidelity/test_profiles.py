@@ -134,7 +134,7 @@ async def test_a_request_that_can_never_fit_the_profiles_cache_gets_400(
         body = {"prompt": list(range(100)) * 50, "max_tokens": 10, "stream": False}
         r = await client.post("/generate", json=body)
     assert r.status_code == 400
-    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.headers["x-slotserve-error-code"] == "context_length_exceeded"
     assert "KV cache (4096 tokens)" in r.json()["error"]["message"]
 
 

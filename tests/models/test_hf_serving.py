@@ -33,7 +33,7 @@ def test_health_says_loading_until_the_model_is_ready_then_it_serves(tiny: Path)
         assert [(m["id"], m["max_model_len"]) for m in models] == [(tiny.name, 64)]
         long = {"prompt": [5] * 60, "max_tokens": 5, "stream": False}
         refused = httpx.post(server.url + "/generate", json=long, timeout=60)
-        assert refused.json()["error"]["code"] == "context_length_exceeded"
+        assert refused.headers["x-slotserve-error-code"] == "context_length_exceeded"
         body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5}
         reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
         assert reply["usage"]["completion_tokens"] <= 5
@@ -44,7 +44,7 @@ def test_health_says_loading_until_the_model_is_ready_then_it_serves(tiny: Path)
         too_big = {"prompt": [320], "max_tokens": 1, "stream": False}
         refused = httpx.post(server.url + "/generate", json=too_big, timeout=60)
         assert refused.status_code == 400
-        assert refused.json()["error"]["code"] == "invalid_token_id"
+        assert refused.headers["x-slotserve-error-code"] == "invalid_token_id"
 
 
 def test_a_model_that_fails_while_loading_leaves_health_at_load_failed(
@@ -68,7 +68,7 @@ def test_a_model_that_fails_while_loading_leaves_health_at_load_failed(
         assert health.status_code == 503
         refused = httpx.post(server.url + "/generate", json={"prompt": "x", "stream": False})
         assert refused.status_code == 503
-        assert refused.json()["error"]["code"] == "load_failed"
+        assert refused.headers["x-slotserve-error-code"] == "load_failed"
         assert "retry-after" not in refused.headers
         assert "failed to load" in refused.json()["error"]["message"]
     assert "Traceback" not in log.read_text()
