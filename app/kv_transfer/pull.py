@@ -9,12 +9,15 @@ and is bounded in time and answer size: it cannot be turned into a probe of arbi
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 from dataclasses import dataclass
 
 import httpx
 
 from app.kv_transfer.params import RemoteBlocks
+
+ERROR_CODE_HEADER = "X-Slotserve-Error-Code"  # app/api/errors.py's (no import: below the API)
 
 FETCH_PATH = "/v1/kv_transfer/fetch"
 PULL_TIMEOUT = 5.0  # seconds for the producer's answer
@@ -59,22 +62,23 @@ async def pull(
         "block_ids": list(blocks.block_ids),
     }
     try:
-        async with client.stream(
-            "POST",
-            f"http://{host}:{blocks.port}{FETCH_PATH}",
-            json=body,
-            timeout=PULL_TIMEOUT,
-            headers={b"authorization": b"Bearer " + key} if key is not None else None,
-        ) as answer:
-            raw = b""
-            async for chunk in answer.aiter_bytes():
-                raw += chunk
-                if len(raw) > MAX_ANSWER_BYTES:
-                    return Pulled(failure="unreachable")
-    except httpx.HTTPError:
+        async with asyncio.timeout(PULL_TIMEOUT):  # the whole answer, however it trickles
+            async with client.stream(
+                "POST",
+                f"http://{host}:{blocks.port}{FETCH_PATH}",
+                json=body,
+                timeout=PULL_TIMEOUT,
+                headers={b"authorization": b"Bearer " + key} if key is not None else None,
+            ) as answer:
+                raw = b""
+                async for chunk in answer.aiter_bytes():
+                    raw += chunk
+                    if len(raw) > MAX_ANSWER_BYTES:
+                        return Pulled(failure="unreachable")
+    except (httpx.HTTPError, TimeoutError):
         return Pulled(failure="unreachable")
-    if answer.status_code == 404:
-        code = _code(raw)
+    if answer.status_code == 404:  # the producer's error code is in its header (docs/api.md)
+        code = answer.headers.get(ERROR_CODE_HEADER)
         return Pulled(failure="unknown_engine" if code == "unknown_engine" else "expired")
     if answer.status_code != 200:
         return Pulled(failure="unreachable")
@@ -85,11 +89,3 @@ async def pull(
     if not isinstance(tokens, int) or tokens < 0:
         return Pulled(failure="unreachable")
     return Pulled(num_tokens=tokens)
-
-
-def _code(raw: bytes) -> str | None:
-    try:
-        code = httpx.Response(404, content=raw).json()["error"]["code"]
-    except (ValueError, KeyError, TypeError):
-        return None
-    return code if isinstance(code, str) else None

@@ -195,9 +195,10 @@ async def test_the_fetch_route_answers_404_with_a_code() -> None:
         first = await prod.post("/v1/kv_transfer/fetch", json=ask)
         assert first.status_code == 200 and first.json()["num_tokens"] > 0
         again = await prod.post("/v1/kv_transfer/fetch", json=ask)
-        assert again.status_code == 404 and again.json()["error"]["code"] == "expired"
+        assert again.status_code == 404 and again.headers["x-slotserve-error-code"] == "expired"
         other = await prod.post("/v1/kv_transfer/fetch", json=ask | {"engine_id": "x"})
-        assert other.status_code == 404 and other.json()["error"]["code"] == "unknown_engine"
+        assert other.status_code == 404
+        assert other.headers["x-slotserve-error-code"] == "unknown_engine"
         bad = await prod.post("/v1/kv_transfer/fetch", json={"engine_id": 3})
         assert bad.status_code == 400
 
