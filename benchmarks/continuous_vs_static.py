@@ -33,7 +33,7 @@ async def run(
     policy: BatchingPolicy, outputs: list[int], slots: int, step_ms: float
 ) -> dict[str, float]:
     language = MockLanguage(text=False, stop_probability=0.0)  # lengths come from max_tokens
-    config = EngineConfig(num_slots=slots, max_waiting=len(outputs), policy=policy,
+    config = EngineConfig(num_slots=slots, max_waiting=len(outputs), batching=policy,
                           step_costs=StepCosts(step_ms=step_ms))  # fmt: skip
     engine = Engine(MockModel(language), config)
     await engine.start()

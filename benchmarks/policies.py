@@ -204,7 +204,7 @@ def simulate(
     from app.simulate.workload import SimRequest, Stage, Workload
 
     policy = PolicyConfig(PolicyName(run.policy), preemption_delay=preemption_delay)
-    config = SchedulerConfig(SLOTS, max_num_batched_tokens=2048, scheduling=policy)
+    config = SchedulerConfig(SLOTS, max_num_batched_tokens=2048, policy=policy)
     rng, prompt = random.Random(7), [1] * len(PROMPT)
     arrivals: list[tuple[float, str]] = []
     for kind, rate in streams:
@@ -247,7 +247,7 @@ def overhead_us(policy: str, slots: int, waiting: int, steps: int = 200) -> floa
     from app.engine.types import Sequence
 
     never = PolicyConfig(PolicyName(policy), preemption_delay=1e9)  # choose, never preempt
-    config = SchedulerConfig(slots, max_num_batched_tokens=max(2048, slots), scheduling=never)
+    config = SchedulerConfig(slots, max_num_batched_tokens=max(2048, slots), policy=never)
     sched = Scheduler(config)
     for i in range(slots + waiting):
         running = i < slots

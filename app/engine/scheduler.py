@@ -69,19 +69,20 @@ class SchedulerConfig:
     budget). ``kv_cache_tokens``: KV capacity in tokens, rounded down to whole blocks of
     ``block_size`` (None: it never binds). ``max_model_len``: the longest a request can get
     (the API enforces it); a capacity of ``num_slots * max_model_len`` or more never binds
-    either, so the scheduler skips the block arithmetic. ``scheduling``: the scheduling policy.
+    either, so the scheduler skips the block arithmetic. ``batching``: continuous or static;
+    ``policy``: the scheduling policy.
     ``enable_prefix_caching``: keep the full prompt blocks of requests in a prefix cache
     (``app.engine.prefix_cache``) and start each admitted request after its cached prefix.
     """
 
     num_slots: int
-    policy: BatchingPolicy = BatchingPolicy.CONTINUOUS
+    batching: BatchingPolicy = BatchingPolicy.CONTINUOUS
     max_num_batched_tokens: int | None = None
     max_prefill_chunk: int | None = None
     block_size: int = 16
     kv_cache_tokens: int | None = None
     max_model_len: int | None = None
-    scheduling: PolicyConfig = FCFS
+    policy: PolicyConfig = FCFS
     enable_prefix_caching: bool = False
     record_kv_events: bool = False  # the prefix cache logs its changes (KV events)
     # LoRA: at most this many distinct adapters among the running requests (None: no rule).
@@ -116,15 +117,21 @@ class SchedulerConfig:
             )
         if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
             raise ValueError(f"max_prefill_chunk must be >= 1, got {self.max_prefill_chunk}")
+        if not isinstance(self.batching, BatchingPolicy) or not isinstance(
+            self.policy, PolicyConfig
+        ):
+            raise TypeError("batching is a BatchingPolicy and policy a PolicyConfig")
 
 
 class Scheduler:
     """Owns the slot table, the waiting queue and the KV books, and makes every status change
     of a request: admitted, prefilled, decoded, preempted, resumed, finished."""
 
-    def __init__(self, config: SchedulerConfig | int, policy: BatchingPolicy | None = None) -> None:
+    def __init__(
+        self, config: SchedulerConfig | int, batching: BatchingPolicy | None = None
+    ) -> None:
         if isinstance(config, int):
-            config = SchedulerConfig(config, policy or BatchingPolicy.CONTINUOUS)
+            config = SchedulerConfig(config, batching or BatchingPolicy.CONTINUOUS)
         self.config = config
         self.slots = SlotTable(config.num_slots)
         self.waiting = WaitingQueue()
@@ -156,7 +163,7 @@ class Scheduler:
         # admitted first: admitting a request whose adapter is not there loads it (counted in
         # ``SchedulerOutput.lora_loads``, charged by the step clock)
         self._lora_slots: dict[str, None] = {}
-        self.policy: Policy | None = make_policy(config.scheduling)
+        self.policy: Policy | None = make_policy(config.policy)
 
     @property
     def num_slots(self) -> int:
@@ -165,7 +172,7 @@ class Scheduler:
     @property
     def batching(self) -> BatchingPolicy:
         """The batching mode (continuous or static); ``policy`` is the scheduling policy."""
-        return self.config.policy
+        return self.config.batching
 
     def has_work(self) -> bool:
         return bool(self.waiting) or self.slots.occupied > 0

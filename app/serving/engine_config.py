@@ -52,15 +52,15 @@ def physics_admission(settings: Settings) -> dict[str, Any]:
 
 def engine_config(settings: Settings) -> EngineConfig:
     """The engine's limits, scheduling policy and step clock from the settings. Besides the
-    same-named ones: ``policy`` is --batching (``--policy`` is the scheduling policy), the KV
+    same-named ones: ``policy`` is --policy's ``PolicyConfig`` (the flag is only its name), the KV
     capacity defaults to a whole context per slot (it never binds), LoRA's bound applies with
     --enable-lora only."""
     whole_contexts = settings.num_slots * -(-settings.max_model_len // settings.block_size)
     policy = PolicyName(settings.policy)
     explicit = {
-        "policy": BatchingPolicy(settings.batching),
+        "batching": BatchingPolicy(settings.batching),
         "kv_cache_tokens": settings.kv_cache_tokens or whole_contexts * settings.block_size,
-        "scheduling": PolicyConfig(policy, **named_like_settings(PolicyConfig, settings)),
+        "policy": PolicyConfig(policy, **named_like_settings(PolicyConfig, settings)),
         "record_kv_events": settings.kv_events_endpoint is not None,
         "max_loras": settings.max_loras if settings.enable_lora else None,
         "step_costs": step_costs(settings),

@@ -54,7 +54,7 @@ class MaxLorasMachine(RuleBasedStateMachine):
                 slots,
                 max_num_batched_tokens=None if budget is None else max(budget, slots),
                 max_loras=max_loras,
-                scheduling=PolicyConfig(PolicyName(policy), mlfq_quantum=1),
+                policy=PolicyConfig(PolicyName(policy), mlfq_quantum=1),
             )
         )
         self.live: list[Sequence] = []
@@ -131,7 +131,7 @@ def test_an_adapter_load_is_counted_once_while_it_holds_an_adapter_slot() -> Non
 
 def _priority_scheduler(slots: int) -> Scheduler:
     return Scheduler(SchedulerConfig(slots, max_loras=1,
-                                     scheduling=PolicyConfig(PolicyName.PRIORITY)))  # fmt: skip
+                                     policy=PolicyConfig(PolicyName.PRIORITY)))  # fmt: skip
 
 
 def _run_until_done(scheduler: Scheduler, now: float = 1.0) -> None:
@@ -149,7 +149,7 @@ def test_a_policy_does_not_preempt_for_an_adapter_that_cannot_join(policy: str) 
     """Review finding 3: --max-loras 1, two adapter-A requests hold both slots, a better
     adapter-B request arrives: preempting an A request would free a slot B still cannot take
     (A keeps running), so nothing is preempted and B runs once A has drained."""
-    scheduler = Scheduler(SchedulerConfig(2, max_loras=1, scheduling=PolicyConfig(
+    scheduler = Scheduler(SchedulerConfig(2, max_loras=1, policy=PolicyConfig(
         PolicyName(policy), mlfq_quantum=1)))  # fmt: skip
     running = [Sequence(f"a{i}", [5] * 4, 30, frozenset({NEVER}), lora="A", priority=5)
                for i in range(2)]  # fmt: skip

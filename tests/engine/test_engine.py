@@ -584,7 +584,7 @@ async def test_model_calls_run_off_the_event_loop() -> None:
 @pytest.mark.parametrize("policy", [BatchingPolicy.STATIC, BatchingPolicy.CONTINUOUS])
 async def test_static_policy_admits_only_into_an_empty_batch(policy: BatchingPolicy) -> None:
     model = FailOnCall(MockModel(NEVER_STOPS), fail_on=-1)
-    async with running(model, num_slots=2, policy=policy) as engine:
+    async with running(model, num_slots=2, batching=policy) as engine:
         streams = [engine.submit(seq(f"r{i}", [TAG + i], m)) for i, m in enumerate([6, 2, 2])]
         for stream in streams:
             assert (await stream.collect())[1] is FinishReason.LENGTH

@@ -33,9 +33,9 @@ def test_every_scheduler_flag_reaches_the_engine_config() -> None:
     assert (config.num_slots, config.max_waiting, config.max_num_batched_tokens) == (3, 7, 40)
     assert (config.max_prefill_chunk, config.block_size, config.kv_cache_tokens) == (5, 4, 64)
     assert (config.max_model_len, config.enable_prefix_caching) == (50, True)
-    assert (config.policy, config.max_loras) == (BatchingPolicy.STATIC, 2)
+    assert (config.batching, config.max_loras) == (BatchingPolicy.STATIC, 2)
     assert (config.step_jitter, config.seed, config.record_kv_events) == (0.1, 11, False)
-    policy = config.scheduling
+    policy = config.policy
     assert policy.name is PolicyName.MLFQ
     assert (policy.max_overtakes, policy.preemption_threshold, policy.preemption_delay) == (
         9, 2, 0.5,

@@ -22,6 +22,7 @@ import h11
 import httpx
 import pytest
 from conftest import ClientFactory, serving_of
+from error_shape import field_of
 from hanging_server import ENTERED
 from server_process import running_server
 from sse import Event, parse_sse
@@ -498,7 +499,7 @@ async def test_out_of_range_sampling_fields_are_a_400_naming_the_field(
         r = await client.post(path, json=ROUTES[path] | {"max_tokens": 2, field: value})
         assert r.status_code == 400, r.text
         error = r.json()["error"]
-        assert error["param"] == field and field in error["message"]
+        assert field_of(error) == field and field in error["message"]
 
 
 # --- Regression tests for what a senior review of the engine contract found, each named after ---

@@ -144,7 +144,7 @@ class EngineCoreMachine(RuleBasedStateMachine):
         config = EngineConfig(
             num_slots=num_slots,
             max_waiting=max_waiting,
-            policy=self.policy,
+            batching=self.policy,
             max_num_batched_tokens=self.budget,
             max_prefill_chunk=chunk_cap,
             block_size=block_size,

@@ -199,7 +199,7 @@ def test_mlfq_a_fork_never_preempts_its_own_first_choice() -> None:
     not start (it waits for it), and the slot went back to the first choice, which recomputed
     its context, once per token: 36 preemptions where 3 are plain round robin."""
     config = PolicyConfig(PolicyName.MLFQ, mlfq_quantum=4, mlfq_aging_seconds=0)
-    sched = scheduler(slots=1, scheduling=config)
+    sched = scheduler(slots=1, policy=config)
     first, fork = choices(2, prompt=list(range(1, 33)), max_tokens=40)
     sched.add(first, 0.0)
     sched.add(fork, 0.0)

@@ -38,7 +38,7 @@ def seq(
 
 def scheduler(name: PolicyName, num_slots: int = 2, **knobs: object) -> Scheduler:
     config = PolicyConfig(name, **knobs)  # type: ignore[arg-type]
-    return Scheduler(SchedulerConfig(num_slots, scheduling=config))
+    return Scheduler(SchedulerConfig(num_slots, policy=config))
 
 
 def step(sched: Scheduler, now: float = 0.0, token: int = 5) -> SchedulerOutput:
@@ -165,7 +165,7 @@ def test_fair_preempts_the_heaviest_users_request_for_a_lighter_user() -> None:
 
 def test_a_policy_never_preempts_a_request_before_its_first_token() -> None:
     long_prompt = seq("long", prompt_len=40)
-    sched = Scheduler(SchedulerConfig(1, max_num_batched_tokens=8, scheduling=PolicyConfig(
+    sched = Scheduler(SchedulerConfig(1, max_num_batched_tokens=8, policy=PolicyConfig(
         PolicyName.PRIORITY)))  # fmt: skip
     sched.add(long_prompt, 0.0)
     step(sched)  # 8 of its 40 prompt tokens
@@ -238,7 +238,7 @@ def test_preempted_and_resumed_requests_produce_the_sequential_references_tokens
     config = PolicyConfig(name, max_overtakes=data.draw(st.integers(1, 8)), mlfq_quantum=2,
                           mlfq_skip_join_tokens=4, mlfq_aging_seconds=0.5)  # fmt: skip
     sched = Scheduler(SchedulerConfig(num_slots, max_num_batched_tokens=max(num_slots, 8),
-                                      max_prefill_chunk=5, scheduling=config))  # fmt: skip
+                                      max_prefill_chunk=5, policy=config))  # fmt: skip
     runner = make_runner(model, num_slots)
     seqs = [
         Sequence(f"r{i}", list(p), n, frozenset({LANGUAGE.stop_token}), priority=pr, user=u)
@@ -282,7 +282,7 @@ class BoundedBypass(RuleBasedStateMachine):
         self.limit = limit
         config = PolicyConfig(name, max_overtakes=limit, mlfq_quantum=1, mlfq_skip_join_tokens=2,
                               mlfq_aging_seconds=0)  # fmt: skip
-        self.sched = Scheduler(SchedulerConfig(slots, scheduling=config, share_prompts=True))
+        self.sched = Scheduler(SchedulerConfig(slots, policy=config, share_prompts=True))
 
     @precondition(lambda self: self.sched is not None)
     @rule(
@@ -362,7 +362,7 @@ def run_until_idle(sched: Scheduler, limit: int = 10_000) -> tuple[int, int]:
 
 
 def test_fair_does_not_preempt_in_a_storm_when_users_outnumber_slots() -> None:
-    config = SchedulerConfig(2, scheduling=PolicyConfig(PolicyName.FAIR))
+    config = SchedulerConfig(2, policy=PolicyConfig(PolicyName.FAIR))
     sched = Scheduler(config)
     for i in range(6):  # 6 users, 2 slots
         sched.add(never_ending(f"u{i}", [1] * 50, 40, user=f"user{i}"), 0.0)
@@ -375,7 +375,7 @@ def test_fair_does_not_preempt_in_a_storm_when_users_outnumber_slots() -> None:
 
 def test_max_overtakes_one_does_not_loop_preempting_and_readmitting_the_victim() -> None:
     policy = PolicyConfig(PolicyName.PRIORITY, max_overtakes=1)
-    sched = Scheduler(SchedulerConfig(1, scheduling=policy))
+    sched = Scheduler(SchedulerConfig(1, policy=policy))
     low = never_ending("low", [1], 20, priority=9)
     sched.add(low, 0.0)
     step_once(sched)
@@ -396,7 +396,7 @@ def test_max_overtakes_one_does_not_loop_preempting_and_readmitting_the_victim()
 
 def test_a_kv_preemption_under_priority_takes_the_worst_priority_first() -> None:
     policy = PolicyConfig(PolicyName.PRIORITY)
-    config = SchedulerConfig(2, block_size=2, kv_cache_tokens=4, scheduling=policy)
+    config = SchedulerConfig(2, block_size=2, kv_cache_tokens=4, policy=policy)
     sched = Scheduler(config)
     good, bad = never_ending("good", [1], 3, priority=0), never_ending("bad", [1], 3, priority=9)
     sched.add(bad, 0.0)
@@ -424,7 +424,7 @@ def test_prefix_cache_metrics_do_not_count_a_preempted_requests_resume() -> None
 async def test_static_batching_with_the_prefix_cache_serves_every_request() -> None:
     config = EngineConfig(
         num_slots=3,
-        policy=BatchingPolicy.STATIC,
+        batching=BatchingPolicy.STATIC,
         max_num_batched_tokens=3,
         block_size=2,
         enable_prefix_caching=True,

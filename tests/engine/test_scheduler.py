@@ -42,9 +42,9 @@ def ids(seqs: list[Sequence]) -> list[str]:
 
 
 def scheduler_with(
-    *seqs: Sequence, num_slots: int = 2, policy: BatchingPolicy = BatchingPolicy.CONTINUOUS
+    *seqs: Sequence, num_slots: int = 2, batching: BatchingPolicy = BatchingPolicy.CONTINUOUS
 ) -> Scheduler:
-    return configured(SchedulerConfig(num_slots, policy), *seqs)
+    return configured(SchedulerConfig(num_slots, batching), *seqs)
 
 
 def configured(config: SchedulerConfig, *seqs: Sequence) -> Scheduler:
@@ -180,7 +180,7 @@ def test_lowest_free_slot_is_used_first() -> None:
 
 def test_static_policy_admits_only_into_an_empty_batch() -> None:
     a, b, c, d = seq("a", max_tokens=1), seq("b", max_tokens=2), seq("c"), seq("d")
-    scheduler = scheduler_with(a, b, c, d, policy=BatchingPolicy.STATIC)
+    scheduler = scheduler_with(a, b, c, d, batching=BatchingPolicy.STATIC)
     out = step(scheduler)  # a finishes: slot 0 is free, b still runs
     assert ids(out.admitted) == ["a", "b"]
     out = step(scheduler)  # b finishes: the batch is empty
@@ -191,7 +191,7 @@ def test_static_policy_admits_only_into_an_empty_batch() -> None:
 
 def test_continuous_policy_admits_into_any_free_slot() -> None:
     a, b, c = seq("a", max_tokens=1), seq("b", max_tokens=2), seq("c")
-    scheduler = scheduler_with(a, b, c, policy=BatchingPolicy.CONTINUOUS)
+    scheduler = scheduler_with(a, b, c, batching=BatchingPolicy.CONTINUOUS)
     step(scheduler)
     assert ids(scheduler.schedule(0.0).admitted) == ["c"]
 
