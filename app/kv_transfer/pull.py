@@ -9,6 +9,7 @@ and is bounded in time and answer size: it cannot be turned into a probe of arbi
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ import httpx
 from app.kv_transfer.params import RemoteBlocks
 
 FETCH_PATH = "/v1/kv_transfer/fetch"
-PULL_TIMEOUT = 5.0  # seconds for the producer's answer
+PULL_TIMEOUT = 5.0  # seconds for the producer's whole answer (a deadline, not per read)
 MAX_ANSWER_BYTES = 4096
 
 
@@ -58,20 +59,23 @@ async def pull(
         "request_id": blocks.request_id,
         "block_ids": list(blocks.block_ids),
     }
-    try:
-        async with client.stream(
-            "POST",
-            f"http://{host}:{blocks.port}{FETCH_PATH}",
-            json=body,
-            timeout=PULL_TIMEOUT,
-            headers={b"authorization": b"Bearer " + key} if key is not None else None,
-        ) as answer:
+    try:  # httpx's timeout bounds each read: a peer trickling bytes needs the deadline too
+        async with (
+            asyncio.timeout(PULL_TIMEOUT),
+            client.stream(
+                "POST",
+                f"http://{host}:{blocks.port}{FETCH_PATH}",
+                json=body,
+                timeout=PULL_TIMEOUT,
+                headers={b"authorization": b"Bearer " + key} if key is not None else None,
+            ) as answer,
+        ):
             raw = b""
             async for chunk in answer.aiter_bytes():
                 raw += chunk
                 if len(raw) > MAX_ANSWER_BYTES:
                     return Pulled(failure="unreachable")
-    except httpx.HTTPError:
+    except (httpx.HTTPError, TimeoutError):
         return Pulled(failure="unreachable")
     if answer.status_code == 404:
         code = _code(raw)
