@@ -279,6 +279,9 @@ def _fan_out(
             sibling = dataclasses.replace(
                 params, prompt=prompts[k // n], request_id=f"{first.request_id}~{k}",
                 sampling=sampling,
+                # P/D: the answer names the first choice's blocks only, so only it holds any;
+                # a pulled prompt's KV is the first prompt's
+                remote_decode=False, remote_tokens=params.remote_tokens if k < n else 0,
             )  # fmt: skip
             source = choices[k - i] if i else None  # its prompt's first choice
             choices.append(_enqueue_choice(serving, sibling, source, rank))

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from app.api.deps import ServingDep
 from app.api.errors import InvalidField, NotFound, documented
 from app.api.streaming import until_disconnected
+from app.engine.errors import QueueFullError
 from app.kv_transfer.node import check_intent
 from app.kv_transfer.params import MAX_BLOCK_IDS, MAX_TEXT, TransferIntent, TransferParamsError
 from app.serving import Serving
@@ -76,11 +77,17 @@ async def receive(
 ) -> tuple[int, str]:
     """A ``do_remote_prefill`` request's blocks, pulled before it is submitted: (the prompt's
     leading tokens now computed, the ``x-kv-transfer`` header's value); (0, "") for any other
-    request. A client that leaves meanwhile raises ``ClientGone`` (its blocks are released)."""
+    request. A client that leaves meanwhile raises ``ClientGone`` (its blocks are released); a
+    server with no room raises ``QueueFullError`` (429) before pulling, leaving them held."""
     transfer = serving.kv_transfer
     blocks = want.remote_prefill if want is not None else None
     if blocks is None or transfer is None:
         return 0, ""
+    if not any(serving.has_room(rank) for rank in range(len(serving.engines))):
+        # a 429 after the pull would have freed the producer's blocks for nothing: the retry
+        # could only prefill locally
+        settings = serving.settings
+        raise QueueFullError.for_bounds(settings.num_slots, settings.max_waiting)
     pulled = await until_disconnected(
         request, transfer.receive(blocks, prompt_len), lambda: transfer.release(blocks)
     )

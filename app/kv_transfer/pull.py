@@ -20,7 +20,7 @@ from app.kv_transfer.params import RemoteBlocks
 ERROR_CODE_HEADER = "X-Slotserve-Error-Code"  # app/api/errors.py's (no import: below the API)
 
 FETCH_PATH = "/v1/kv_transfer/fetch"
-PULL_TIMEOUT = 5.0  # seconds for the producer's answer
+PULL_TIMEOUT = 5.0  # seconds for the producer's whole answer (a deadline, not per read)
 MAX_ANSWER_BYTES = 4096
 
 
@@ -61,20 +61,22 @@ async def pull(
         "request_id": blocks.request_id,
         "block_ids": list(blocks.block_ids),
     }
-    try:
-        async with asyncio.timeout(PULL_TIMEOUT):  # the whole answer, however it trickles
-            async with client.stream(
+    try:  # httpx's timeout bounds each read: a peer trickling bytes needs the deadline too
+        async with (
+            asyncio.timeout(PULL_TIMEOUT),
+            client.stream(
                 "POST",
                 f"http://{host}:{blocks.port}{FETCH_PATH}",
                 json=body,
                 timeout=PULL_TIMEOUT,
                 headers={b"authorization": b"Bearer " + key} if key is not None else None,
-            ) as answer:
-                raw = b""
-                async for chunk in answer.aiter_bytes():
-                    raw += chunk
-                    if len(raw) > MAX_ANSWER_BYTES:
-                        return Pulled(failure="unreachable")
+            ) as answer,
+        ):
+            raw = b""
+            async for chunk in answer.aiter_bytes():
+                raw += chunk
+                if len(raw) > MAX_ANSWER_BYTES:
+                    return Pulled(failure="unreachable")
     except (httpx.HTTPError, TimeoutError):
         return Pulled(failure="unreachable")
     if answer.status_code == 404:  # the producer's error code is in its header (docs/api.md)

@@ -298,3 +298,28 @@ async def test_pulled_blocks_join_the_consumers_prefix_cache() -> None:
         again = await cons.post("/v1/completions", json=body())
         full_blocks = (again.json()["usage"]["prompt_tokens"] - 1) // 4
         assert metric(consumer, "vllm:prefix_cache_hits_total") == full_blocks * 4
+
+
+@pytest.mark.parametrize(
+    "extra", [{"n": 3, "temperature": 1}, {"prompt": [PROMPT, PROMPT + " again"]}]
+)
+async def test_only_the_blocks_the_answer_names_are_held(extra: dict[str, Any]) -> None:
+    async with pair() as (prod, _):
+        payload = body(max_tokens=1, kv_transfer_params=PREFILL_ASK) | extra
+        answer = await prod.post("/v1/completions", json=payload)
+        assert answer.status_code == 200, answer.text
+        params = answer.json()["kv_transfer_params"]
+        ask = {"engine_id": "prod", "request_id": params["remote_request_id"]}
+        assert (await prod.post("/v1/kv_transfer/fetch", json=ask)).status_code == 200
+        assert usage(serving_of(prod)) == 0  # the other choices hold nothing until expiry
+
+
+async def test_a_full_consumer_refuses_before_pulling_so_the_blocks_stay_held(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with pair() as (prod, cons):
+        params = await prefill(prod)
+        monkeypatch.setattr(serving_of(cons).engine.core, "has_room", lambda: False)
+        answer = await cons.post("/v1/completions", json=body(kv_transfer_params=params))
+        assert answer.status_code == 429, answer.text
+        assert usage(serving_of(prod)) > 0  # a retry elsewhere can still pull them

@@ -3,14 +3,19 @@ shapes, the producer's held blocks, the link's timing and which peers a pull may
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+
+import httpx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from app.kv_transfer import pull as pull_module
 from app.kv_transfer.config import parse_kv_transfer_config
 from app.kv_transfer.holds import Holds
 from app.kv_transfer.link import Link
-from app.kv_transfer.params import TransferParamsError, parse_transfer_params
+from app.kv_transfer.params import RemoteBlocks, TransferParamsError, parse_transfer_params
 from app.kv_transfer.pull import trusted
 
 PRODUCER_ANSWER = {  # what vLLM's NIXL connector answers a prefill (and the router passes on)
@@ -125,3 +130,23 @@ def test_a_pull_only_reaches_trusted_peers() -> None:
     assert not trusted("metadata.google.internal", None)
     assert trusted("prefill-0.svc", frozenset({"prefill-0.svc"}))
     assert not trusted("127.0.0.1", frozenset({"prefill-0.svc"}))
+
+
+class Trickle(httpx.AsyncByteStream):
+    """A peer that answers its headers, then one byte every 10 ms, never finishing."""
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while True:
+            await asyncio.sleep(0.01)
+            yield b" "
+
+
+async def test_a_peer_trickling_its_answer_is_cut_off_at_the_pull_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(pull_module, "PULL_TIMEOUT", 0.2)  # each byte comes well within it
+    answer = httpx.MockTransport(lambda _: httpx.Response(200, stream=Trickle()))
+    blocks = RemoteBlocks("prod", "r", (0, 1), "127.0.0.1", 8000)
+    async with httpx.AsyncClient(transport=answer) as client:
+        pulled = await asyncio.wait_for(pull_module.pull(client, blocks), 2)
+    assert pulled.failure == "unreachable"
