@@ -302,6 +302,13 @@ class Settings(BaseSettings):
     mock_tool_call_probability: float = Field(
         0.0, ge=0, le=1, description="chance that the mock calls a tool under tool_choice auto"
     )
+    # how tools reach a model whose chat template cannot render them (SmolLM2's, the mocks')
+    tool_prompt_fallback: Literal["none", "describe"] = Field(
+        "none",
+        description="when the chat template cannot render tools: none (as vLLM: the template "
+        "gets the messages as they are, the tools undescribed) or describe (the tools in a "
+        "system message, calls and results as text, in the default format)",
+    )
     seed: int = Field(
         0,
         description="seed of the mock model, the step clock's jitter and injected failures",
@@ -493,20 +500,16 @@ class Settings(BaseSettings):
     def _apply_physics(self) -> Self:
         """--model-config: check it, the GPU and the tensor-parallel size; fill in vLLM's
         defaults for every field the user did not set (``app.step_time.settings``)."""
-        explicit = set(self.model_fields_set)
-        if self.model_config_file is None:
-            needs = [f"--{n.replace('_', '-')}" for n in PHYSICS_ONLY if n in explicit]
-            if needs:
-                raise ValueError(
-                    f"{' and '.join(needs)} "
-                    f"{'apply' if len(needs) > 1 else 'applies'} only with --model-config"
-                )
-            return self
-        from app.step_time.settings import load_shape, physics_presets
+        from app.step_time.settings import load_shape, only_with_model_config, physics_presets
 
+        explicit = set(self.model_fields_set)
+        given = {name: f"--{name.replace('_', '-')}" for name in explicit}  # flags set
+        if self.model_config_file is None:
+            only_with_model_config([given[n] for n in PHYSICS_ONLY if n in given])
+            return self
         if self.profile is not None:
             raise ValueError("--model-config and --profile both set the step clock: pick one")
-        linear = [f"--{n.replace('_', '-')}" for n in LINEAR_CLOCK if n in explicit]
+        linear = [given[n] for n in LINEAR_CLOCK if n in given]
         if linear:
             raise ValueError(
                 f"{' and '.join(linear)}: --model-config sets the step clock (its physics), "

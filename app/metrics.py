@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from itertools import product
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -70,6 +71,11 @@ def token_buckets(max_model_len: int) -> tuple[int, ...]:
 
 # Every reason ``EngineMetrics.reject`` is called with (app/serving.py).
 REJECT_REASONS = ("queue_full", "duplicate_id", "draining", "engine_dead", "not_ready")
+
+# vllm:tool_call_parser_invocations_total's labels, and its request types (vLLM's: the chat and
+# Responses routes, "other" for the rest: Messages here)
+TOOL_PARSER_LABELS = ("model_name", "mode", "outcome", "request_type")
+REQUEST_TYPES = ("chat_completions", "responses", "other")
 
 
 def export_at_zero(metric: Counter | Histogram, *label_values: Seq[str]) -> None:
@@ -230,6 +236,7 @@ def ranked_registry(ranks: Seq[EngineMetrics], deprecated: bool = False) -> Coll
     under vLLM's older names)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(RankedMetrics([metrics.families for metrics in ranks], deprecated))
+    registry.register(ranks[0].tool_parser)  # the API server's, once: no engine label
     return registry
 
 
@@ -252,11 +259,16 @@ class EngineMetrics:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, names, registry=reg)
 
-        def counter(name: str, doc: str, extra: Seq[str] = ()) -> Counter:
+        def labelled(name: str, doc: str, extra: Seq[str]) -> Counter:
             return Counter(name, doc, [*names, *extra], registry=reg)
 
+        # the families labelled by the model's name alone hold one series each, exported at 0
+        # from the start (Prometheus's advice on missing metrics): kept here as that series
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, names, registry=reg).labels(model_name)
+
         def histogram(name: str, doc: str, buckets: Seq[float]) -> Histogram:
-            return Histogram(name, doc, names, buckets=buckets, registry=reg)
+            return Histogram(name, doc, names, buckets=buckets, registry=reg).labels(model_name)
 
         self.running = gauge("vllm:num_requests_running", "Requests in a batch slot.")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting for a slot.")
@@ -265,20 +277,20 @@ class EngineMetrics:
         )
         self.slots_total = gauge("slotserve:slots_total", "Batch slots.")
         self.slots_occupied = gauge("slotserve:slots_occupied", "Batch slots holding a request.")
-        self.profile_info = Gauge(
+        profile_info = Gauge(
             "slotserve:profile_info", "The GPU profile the step clock imitates (1; none: unset).",
             [*names, "profile"], registry=reg,
         )  # fmt: skip
-        self.profile_info.labels(model_name, profile or "none").set(1)
+        profile_info.labels(model_name, profile or "none").set(1)
         self.slots_out_of_service = gauge(
             "slotserve:slots_out_of_service", "Slots whose cache the model failed to reset."
         )
         self.prompt_tokens = counter("vllm:prompt_tokens_total", "Prefilled prompt tokens.")
         self.generation_tokens = counter("vllm:generation_tokens_total", "Generated tokens.")
-        self.success = counter(
+        self.success = labelled(
             "vllm:request_success_total", "Finished requests.", ["finished_reason", "key"]
         )
-        self.rejected = counter(
+        self.rejected = labelled(
             "slotserve:requests_rejected_total", "Requests refused before queueing.",
             ["reason", "key"],
         )  # fmt: skip
@@ -293,7 +305,7 @@ class EngineMetrics:
         self.prefix_hits = counter(
             "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled)."
         )
-        self.injected_failures = counter(
+        self.injected_failures = labelled(
             "slotserve:injected_failures_total", "Failures injected on purpose.", ["type"]
         )  # app/api/faults.py: not model-call failures, not rejections
         self.ttft = histogram(
@@ -351,24 +363,25 @@ class EngineMetrics:
         self.cached_prompt_tokens = counter(
             "vllm:prompt_tokens_cached", "Prompt tokens found in the prefix cache."
         )
-        self.prompt_by_source = counter(
+        prompt_by_source = labelled(
             "vllm:prompt_tokens_by_source", "Prompt tokens by where their KV came from.",
             ["source"],
         )  # fmt: skip
-        self.cached_by_source = counter(
+        cached_by_source = labelled(
             "vllm:prompt_tokens_cached_by_source", "Prefix-cache hits by cache tier.", ["source"]
         )
-        self.admission_rejections = Counter(
+        self.admission_rejections = labelled(
             "vllm:admission_rejections", "Requests refused by a queue limit, by reason.",
-            ["model_name", "reason"], registry=reg,
+            ["reason"],
         )  # fmt: skip
         # no multimodal inputs and no KV connector here: vLLM's families for them stay at 0
-        zeros = [counter(name, doc) for name, doc in (
+        for name, doc in (
             ("vllm:mm_cache_queries", "Multimodal cache queries (none: text only)."),
             ("vllm:mm_cache_hits", "Multimodal cache hits (none: text only)."),
             ("vllm:external_prefix_cache_queries", "KV-connector cache queries (none here)."),
             ("vllm:external_prefix_cache_hits", "KV-connector cache hits (none here)."),
-        )]  # fmt: skip
+        ):  # fmt: skip
+            counter(name, doc)
         self.step_duration = histogram(
             "slotserve:step_duration_seconds", "Decode step wall time.", STEP_BUCKETS
         )
@@ -378,41 +391,33 @@ class EngineMetrics:
         reg.register(self.itl)
         self._last_step_end: float | None = None
         self.totals = StepTotals()  # plain running sums for views that compute rates
-        self._step_duration = self.step_duration.labels(model_name)
-        self._prompt_tokens = self.prompt_tokens.labels(model_name)
-        self._generation_tokens = self.generation_tokens.labels(model_name)
-        self._preemptions = self.preemptions.labels(model_name)
-        self._prefix_queries = self.prefix_queries.labels(model_name)
-        self._prefix_hits = self.prefix_hits.labels(model_name)
-        self._cached_prompt_tokens = self.cached_prompt_tokens.labels(model_name)
-        self._computed_source = self.prompt_by_source.labels(model_name, "local_compute")
-        self._hit_source = self.prompt_by_source.labels(model_name, "local_cache_hit")
-        self._external_source = self.prompt_by_source.labels(model_name, "external_kv_transfer")
-        self.kv_transfer_fallbacks = counter(
+        self._computed_source = prompt_by_source.labels(model_name, "local_compute")
+        self._hit_source = prompt_by_source.labels(model_name, "local_cache_hit")
+        self._external_source = prompt_by_source.labels(model_name, "external_kv_transfer")
+        self.kv_transfer_fallbacks = labelled(
             "slotserve:kv_transfer_fallbacks",
             "P/D decode requests whose KV pull failed and that prefilled locally, by reason.",
             ["reason"],
         )  # fmt: skip
-        self._device_hits = self.cached_by_source.labels(model_name, "device")
-        self._iteration_tokens = self.iteration_tokens.labels(model_name)
+        self._device_hits = cached_by_source.labels(model_name, "device")
         # the "key" label is "" without named API keys (a named key's series start at its first use)
         export_at_zero(self.success, *[(model_name, r.value, "") for r in FinishReason])
         export_at_zero(self.rejected, *[(model_name, reason, "") for reason in REJECT_REASONS])
-        export_at_zero(self.prompt_by_source, *[(model_name, source) for source in (
+        export_at_zero(prompt_by_source, *[(model_name, source) for source in (
             "local_compute", "local_cache_hit", "external_kv_transfer")])  # fmt: skip
-        export_at_zero(self.cached_by_source, *[(model_name, source) for source in (
+        export_at_zero(cached_by_source, *[(model_name, source) for source in (
             "device", "host", "p2p", "disk", "external_unspecified")])  # fmt: skip
         export_at_zero(self.admission_rejections, (model_name, "max_num_queued_reqs"),
                        (model_name, "max_num_queued_tokens"))  # fmt: skip
-        export_at_zero(self.cached_prompt_tokens, (model_name,))
-        for zero in zeros:
-            export_at_zero(zero, (model_name,))
-        for metric in (self.model_failures, self.ttft, self.e2e, self.queue_time,
-                       self.prompt_len, self.gen_len, self.inference_time, self.prefill_time,
-                       self.decode_time, self.tpot, self.prefill_computed, self.params_n,
-                       self.params_max_tokens, self.max_generation,
-                       self.request_preemptions):  # fmt: skip
-            export_at_zero(metric, (model_name,))
+        # vLLM's API-server family: one per process, without the engine label (the routes count
+        # it through rank 0's metrics, serving.metrics; ranked_registry exports rank 0's)
+        self.tool_parser = Counter(
+            "vllm:tool_call_parser_invocations", "Replies read for tool calls: once per choice "
+            "(non_streaming), once per delta (streaming).", TOOL_PARSER_LABELS, registry=None,
+        )  # fmt: skip
+        modes, outcomes = ("streaming", "non_streaming"), ("tool_call", "no_tool_call")
+        series = product([model_name], modes, outcomes, REQUEST_TYPES)
+        export_at_zero(self.tool_parser, *series)
         self.registry = ranked_registry([self])  # this rank alone: engine="0"
 
     def bind(self, core: EngineCore) -> None:
@@ -470,6 +475,13 @@ class EngineMetrics:
         if reason == "queue_full":
             self.admission_rejections.labels(self.model_name, "max_num_queued_reqs").inc()
 
+    def tool_parse(self, streaming: bool, called: bool, request_type: str) -> None:
+        """One read for tool calls (of a whole choice, or of a streamed delta) in a request of
+        ``request_type`` (``REQUEST_TYPES``); ``called``: it found (part of) a call."""
+        mode = "streaming" if streaming else "non_streaming"
+        outcome = "tool_call" if called else "no_tool_call"
+        self.tool_parser.labels(self.model_name, mode, outcome, request_type).inc()
+
     def attribute(self, request_id: str, key: str) -> None:
         """Label the live request ``request_id``'s counters with API key name ``key``."""
         if key:
@@ -482,12 +494,12 @@ class EngineMetrics:
         and the inter-token latency: the time since the previous step, weighted by the decode
         requests that got a token (each continues from the previous step)."""
         out, ended = outcome.output, outcome.ended_at
-        self._step_duration.observe(ended - out.started_at)
+        self.step_duration.observe(ended - out.started_at)
         self.totals.steps += 1
         self.totals.step_seconds += ended - out.started_at
         if out.admitted:
             admitted = sum(seq.prompt_len for seq in out.admitted)
-            self._prompt_tokens.inc(admitted)
+            self.prompt_tokens.inc(admitted)
             hits = min(out.prefix_hits, admitted)  # hits of resumed requests aside
             remote = min(out.remote_tokens, admitted - hits)  # KV a P/D producer sent
             self._computed_source.inc(admitted - hits - remote)
@@ -495,18 +507,18 @@ class EngineMetrics:
             if remote:
                 self._external_source.inc(remote)
         if out.preempted:
-            self._preemptions.inc(len(out.preempted))
+            self.preemptions.inc(len(out.preempted))
         if out.prefix_queries:
-            self._prefix_queries.inc(out.prefix_queries)
-            self._prefix_hits.inc(out.prefix_hits)
-            self._cached_prompt_tokens.inc(out.prefix_hits)
+            self.prefix_queries.inc(out.prefix_queries)
+            self.prefix_hits.inc(out.prefix_hits)
+            self.cached_prompt_tokens.inc(out.prefix_hits)
             self._device_hits.inc(out.prefix_hits)
-        self._iteration_tokens.observe(out.num_prefill_tokens + len(out.decode_seqs))
+        self.iteration_tokens.observe(out.num_prefill_tokens + len(out.decode_seqs))
         if outcome.error is not None:
-            self.model_failures.labels(self.model_name).inc()
+            self.model_failures.inc()
             self._last_step_end = None
             return
-        self._generation_tokens.inc(outcome.num_generated)
+        self.generation_tokens.inc(outcome.num_generated)
         self.totals.generated += outcome.num_generated
         if self._last_step_end is not None:
             self.itl.observe(ended - self._last_step_end, outcome.num_decode_generated)
@@ -518,15 +530,15 @@ class EngineMetrics:
         reason = seq.finish_reason.value if seq.finish_reason else "unknown"
         key = self._keys.pop(seq.request_id, "")
         self.success.labels(name, reason, key).inc()
-        self.prompt_len.labels(name).observe(seq.prompt_len)
-        self.gen_len.labels(name).observe(seq.num_generated)
+        self.prompt_len.observe(seq.prompt_len)
+        self.gen_len.observe(seq.num_generated)
         end = times.finished or times.arrival
-        self.e2e.labels(name).observe(end - times.arrival)
+        self.e2e.observe(end - times.arrival)
         queue = (times.admitted or end) - times.arrival
-        self.queue_time.labels(name).observe(queue)
+        self.queue_time.observe(queue)
         ttft = None if times.first_token is None else times.first_token - times.arrival
         if ttft is not None:
-            self.ttft.labels(name).observe(ttft)
+            self.ttft.observe(ttft)
         self._observe_phases(seq, end)
         log.info(
             "request=%s key=%s prompt_tokens=%d generated_tokens=%d finish_reason=%s "
@@ -538,18 +550,18 @@ class EngineMetrics:
     def _observe_phases(self, seq: Sequence, end: float) -> None:
         """vLLM's per-request histograms beyond latency: its time in a slot (prefill, decode),
         time per output token, parameters, preemptions and the prompt tokens it computed."""
-        name, times = self.model_name, seq.times
+        times = seq.times
         for metric, value in ((self.params_n, 1), (self.params_max_tokens, seq.max_tokens),
                               (self.max_generation, seq.max_tokens),
                               (self.request_preemptions, seq.num_preemptions)):  # fmt: skip
-            metric.labels(name).observe(value)
+            metric.observe(value)
         if times.admitted is None:  # refused or aborted while waiting: it never ran
             return
-        self.inference_time.labels(name).observe(end - times.admitted)
-        self.prefill_computed.labels(name).observe(seq.prompt_len)
+        self.inference_time.observe(end - times.admitted)
+        self.prefill_computed.observe(seq.prompt_len)
         if times.first_token is None:
             return
-        self.prefill_time.labels(name).observe(times.first_token - times.admitted)
-        self.decode_time.labels(name).observe(end - times.first_token)
+        self.prefill_time.observe(times.first_token - times.admitted)
+        self.decode_time.observe(end - times.first_token)
         if seq.num_generated > 1:
-            self.tpot.labels(name).observe((end - times.first_token) / (seq.num_generated - 1))
+            self.tpot.observe((end - times.first_token) / (seq.num_generated - 1))

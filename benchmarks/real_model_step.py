@@ -13,38 +13,17 @@ Run alone (exclusive bench lock):
 
 from __future__ import annotations
 
-import argparse
 import os
-import time
-from collections.abc import Callable
 
 import torch
+from _smollm2 import load, parser, timed
 
-from app.models.hf import load_model
 from app.models.protocol import GREEDY, PrefillChunk, SamplingParams, StepBatch
 
 
-def timed(name: str, fn: Callable[[], object], n: int = 20) -> None:
-    for _ in range(3):
-        fn()
-    wall, cpu = time.perf_counter(), time.process_time()
-    for _ in range(n):
-        fn()
-    print(f"{name:46s} {(time.perf_counter() - wall) / n * 1e3:8.2f} ms wall "
-          f"{(time.process_time() - cpu) / n * 1e3:8.2f} ms CPU", flush=True)  # fmt: skip
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--quantization", default="none")
-    parser.add_argument("--compile", default="off", choices=("off", "auto"))
-    parser.add_argument("--profile", action="store_true")
-    args = parser.parse_args()
-    loaded = load_model("smollm2", dtype=args.dtype, num_slots=32, max_model_len=512,
-                        kv_cache_memory=1 << 30, threads=args.threads,
-                        quantization=args.quantization, compile=args.compile)  # fmt: skip
+    args = parser(__doc__.split("\n\n")[0]).parse_args()
+    loaded = load(args)
     model, tok = loaded.model, loaded.tokenizer
     prompt = tok.chat_prompt([("user", "What is the capital of France? Tell me a lot.")])
     chunks = [PrefillChunk(i, prompt, 0, True, GREEDY, f"r{i}") for i in range(32)]

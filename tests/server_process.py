@@ -129,7 +129,8 @@ def loading_server(
         deadline = time.monotonic() + LOAD_TIMEOUT
         while time.monotonic() < deadline and process.poll() is None:
             try:
-                status = httpx.get(server.url + "/health", timeout=2.0).json()["status"]
+                health = httpx.get(server.url + "/health", timeout=2.0)  # 200: an empty body
+                status = "ok" if health.status_code == 200 else health.json()["status"]
             except httpx.TransportError:
                 time.sleep(0.05)  # another process is binding: there is no event to await
                 continue

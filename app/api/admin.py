@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.api.deps import KeyNameDep, ServingDep
@@ -20,12 +20,12 @@ router = APIRouter(tags=["operations"])
     responses=documented((Unavailable, "loading the model, draining, or the engine is dead")),
 )
 async def health(serving: ServingDep) -> Response:
-    """200 while serving; 503 while a real model loads (or failed to load), while draining for
-    shutdown, once the engine task has died, or while every slot is out of service (the model
-    cannot reset any)."""
+    """200 with an empty body while serving (as vLLM answers it); 503 with ``{"status": why}``
+    while a real model loads (or failed to load), while draining for shutdown, once the engine
+    task has died, or while every slot is out of service (the model cannot reset any)."""
     state = serving.state
     if state == "ok":
-        return JSONResponse({"status": "ok"})
+        return Response()
     err = not_serving(state)
     return response_for(err, {"status": state})
 

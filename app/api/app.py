@@ -66,16 +66,9 @@ def create_app(settings: Settings | None = None, model: Model | None = None) -> 
     )  # fmt: skip
     install_error_handlers(app)
     app.add_exception_handler(ClientGone, _client_gone)
-    app.include_router(native.router)
-    app.include_router(openai_compat.router)
-    app.include_router(admin.router)
-    app.include_router(dashboard.router)
-    app.include_router(tokenize.router)
-    app.include_router(anthropic.router)
-    app.include_router(responses.router)
-    app.include_router(load.router)
-    app.include_router(render.router)
-    app.include_router(kv_transfer.router)
+    for module in (native, openai_compat, admin, dashboard, tokenize, anthropic, responses, load,
+                   render, kv_transfer):  # fmt: skip
+        app.include_router(module.router)
     if settings.enable_sleep_mode:
         app.include_router(sleep.router)
     if settings.enable_lora:

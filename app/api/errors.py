@@ -2,7 +2,9 @@
 ``type`` names the kind of failure as vLLM does (``BadRequestError``, ``NotFoundError`` ...; ``Bad
 Request`` for a body that fails its schema) and ``code`` repeats the HTTP status. Our own code
 naming the problem (``context_length_exceeded``, ``queue_full`` ...) rides in the
-``X-Slotserve-Error-Code`` header, where vLLM-shaped clients do not look (docs/api.md, Errors).
+``X-Slotserve-Error-Code`` header, where vLLM-shaped clients do not look (docs/api.md, Errors);
+the field it is about, as precisely as we know it, in ``X-Slotserve-Error-Param`` (the body's
+``param`` is what vLLM shows there: null where vLLM's own check leaves it null).
 
 A client's mistake is a 4xx with a message saying what is wrong; only our own faults are 5xx.
 """
@@ -14,6 +16,7 @@ import logging
 import re
 from collections.abc import Sequence
 from typing import Any, ClassVar
+from urllib.parse import quote
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,6 +28,7 @@ from app.engine.errors import (
     EngineDrainingError,
     EngineError,
     GrammarLimitError,
+    NoTokenLeftError,
     QueueFullError,
 )
 from app.serving import (
@@ -38,6 +42,7 @@ from app.serving import (
 log = logging.getLogger("slotserve.api")
 
 ERROR_CODE_HEADER = "X-Slotserve-Error-Code"  # our code naming the problem (not in the body)
+ERROR_PARAM_HEADER = "X-Slotserve-Error-Param"  # the field, precisely (the body's may be null)
 SCHEMA_ERROR = "Bad Request"  # vLLM's type for a body that fails its schema
 
 # vLLM's error ``type`` of each status (the openai SDK's exception names, as vLLM sends them)
@@ -50,6 +55,54 @@ ERROR_TYPES = {
 }  # fmt: skip
 
 
+class _Unset:
+    """No value given (None is one)."""
+
+
+UNSET = _Unset()
+
+# vLLM's own checks that leave ``param`` null (the message names the field): the sampling
+# parameters' ranges (its SamplingParams checks them without naming them, unlike temperature,
+# top_p, max_tokens and logprobs)
+UNNAMED_FIELDS = frozenset({
+    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "min_p",
+    "min_tokens", "stop", "bad_words",
+})  # fmt: skip
+# and, by (field, our code), the checks whose ``param`` vLLM names otherwise: an empty
+# conversation and a prompt's token ids outside the vocabulary (null), ``top_logprobs`` past
+# the most alternatives (vLLM checks the count as ``logprobs``, whichever field asked)
+VLLM_PARAMS: dict[tuple[str, str | None], str | None] = {
+    ("messages", "too_short"): None,
+    ("prompt", "invalid_token_id"): None,
+    ("top_logprobs", "less_than_equal"): "logprobs",
+}
+
+
+MAX_PARAM_HEADER = 256  # characters: the path may hold a client's own key
+
+
+def header_text(field: str) -> str:
+    """``field`` as a header value: percent-encoded past printable ASCII letters, digits and
+    ``._-`` (a client's key may hold any character), at most ``MAX_PARAM_HEADER`` long. A long
+    one is cut between characters, never inside one's escapes, so it still decodes."""
+    text, size = [], 0
+    for char in field:
+        escaped = quote(char, safe="._-", errors="replace")
+        size += len(escaped)
+        if size > MAX_PARAM_HEADER:
+            break
+        text.append(escaped)
+    return "".join(text)
+
+
+def shown_param(param: str | None, code: str | None) -> str | None:
+    """The ``param`` vLLM's answer shows for a check of the field ``param`` (our ``code``):
+    null for the checks vLLM makes without naming the field, else the field as vLLM names it."""
+    if param is None or param.split(".")[0] in UNNAMED_FIELDS:
+        return None
+    return VLLM_PARAMS.get((param, code), param)
+
+
 def error_type(status: int) -> str:
     """vLLM's error ``type`` for an answer of this status."""
     return ERROR_TYPES.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
@@ -60,7 +113,9 @@ class APIError(Exception):
     client got wrong, something not found, ...). Its kind decides its HTTP status, here and
     nowhere else; the installed handlers render it in vLLM's shape (``body``), and on
     ``/v1/messages`` in Anthropic's (``anthropic_error``). ``code``: our name for the problem
-    (the ``X-Slotserve-Error-Code`` header, the Responses API's ``error.code``)."""
+    (the ``X-Slotserve-Error-Code`` header, the Responses API's ``error.code``). ``param``: the
+    field the error is about (the ``X-Slotserve-Error-Param`` header); the body's ``param`` is
+    what vLLM's answer shows there (``shown_param``), unless ``shown`` says it."""
 
     status: ClassVar[int] = 500
 
@@ -72,11 +127,17 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
         type: str | None = None,
+        shown: str | _Unset | None = UNSET,
     ) -> None:
         super().__init__(message)
         self.message, self.type = message, type or error_type(self.status)
-        self.param, self.code = param, code
-        self.headers = (headers or {}) | ({ERROR_CODE_HEADER: code} if code else {})
+        self.code = code
+        self.param = shown_param(param, code) if isinstance(shown, _Unset) else shown
+        self.headers = (
+            (headers or {})
+            | ({ERROR_CODE_HEADER: code} if code else {})
+            | ({ERROR_PARAM_HEADER: header_text(param)} if param else {})
+        )
 
     @property
     def server_fault(self) -> bool:
@@ -158,9 +219,9 @@ async def _api_error(request: Request, exc: Exception) -> JSONResponse:
 async def _refused(request: Request, exc: Exception) -> JSONResponse:
     """A request refused below the API: its HTTP answer is decided here."""
     if isinstance(exc, InvalidRequestError):
-        return await _api_error(request, invalid_request(exc))
+        return response_for(invalid_request(exc))
     assert isinstance(exc, EngineError)
-    return await _api_error(request, refusal(exc))
+    return response_for(refusal(exc))
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
@@ -169,35 +230,58 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":  # where it broke, as vLLM's "body.<position>"
         message = f"request body is not valid JSON: {first.get('msg', '')}"
-        return _schema_error(message, _param(first.get("loc", ())), "json_invalid")
+        return response_for(schema_error(message, None, "json_invalid", _param(first["loc"])))
     chosen, field, problem = _problem(errors)
     code = chosen.get("type")
     if field is None and code in ("model_attributes_type", "missing"):
         message = "request body must be a JSON object (send Content-Type: application/json)"
-        return _schema_error(message, None, code)
+        return response_for(schema_error(message, None, code))
     message = f"{field or 'body'}: {problem}"
     others = {_field(e) for e in errors} - {_field(chosen)}
     if others:
         message += f" (and {len(others)} more field(s) with problems)"
-    if code in VALUE_ERRORS:  # vLLM checks values itself: its BadRequestError names the field
-        return response_for(InvalidField(message, param=field, code=code))
-    return _schema_error(message, field, code)
+    if _checked_in_code(field, code):  # vLLM checks it itself: a BadRequestError
+        shown = shown_param(_param(_up_to_map(chosen.get("loc", ()))), code)
+        return response_for(InvalidField(message, param=field, code=code, shown=shown))
+    return response_for(schema_error(message, field, code, _param(first.get("loc", ()))))
 
 
-# pydantic's errors about a value out of its range (a bound, a length, a validator's check),
-# not about the body's structure (a missing field, a wrong type, an unknown literal)
+# pydantic's errors about a value out of its range (a bound, a length, a pattern, a validator's
+# check), not about the body's structure (a missing field, a wrong type, an unknown literal)
 VALUE_ERRORS = frozenset({
     "greater_than", "greater_than_equal", "less_than", "less_than_equal", "multiple_of",
-    "too_short", "too_long", "string_too_short", "string_too_long", "value_error",
-    "assertion_error", "finite_number",
+    "too_short", "too_long", "string_too_short", "string_too_long", "string_pattern_mismatch",
+    "value_error", "assertion_error", "finite_number",
 })  # fmt: skip
+NUMERIC_BOUNDS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal"})
+# the fields whose numeric bounds vLLM's request schema declares (its other checks are its own
+# code): a prompt's token ids (>= 0) and the seed (64 bits)
+SCHEMA_BOUNDED = frozenset({"prompt", "seed"})
 
 
-def _schema_error(message: str, field: str | None, code: str | None) -> JSONResponse:
+def _checked_in_code(field: str | None, code: object) -> bool:
+    """Whether vLLM refuses this value in its own code (``BadRequestError``), not in its
+    request schema (``Bad Request``): a value out of its range, but for the schema's bounds."""
+    if code not in VALUE_ERRORS:
+        return False
+    return not (code in NUMERIC_BOUNDS and (field or "").split(".")[0] in SCHEMA_BOUNDED)
+
+
+def _up_to_map(loc: Sequence[object]) -> Sequence[object]:
+    """``loc`` up to the map whose key is wrong (``logit_bias`` for a key ``"abc"``): a key is
+    no field, and vLLM's check names the map."""
+    return loc[: list(loc).index("[key]") - 1] if "[key]" in loc else loc
+
+
+def schema_error(
+    message: str, field: str | None, code: str | None, first: str | _Unset | None = UNSET
+) -> APIError:
     """400 for a body that fails its schema (or is no JSON), in vLLM's shape for it: type
-    ``Bad Request``, ``param`` the field's path under ``body`` (``body.messages.0.role``)."""
-    param = f"body.{field}" if field else "body"
-    return response_for(InvalidField(message, param=param, code=code, type=SCHEMA_ERROR))
+    ``Bad Request``, ``param`` the path under ``body`` of ``first`` (where vLLM's first error
+    is: ``body.messages.0.role``; by default ``field``, the one we report)."""
+    where = field if isinstance(first, _Unset) else first
+    shown = f"body.{where}" if where else "body"
+    return InvalidField(message, param=field, code=code, type=SCHEMA_ERROR, shown=shown)
 
 
 _UNION_MEMBER = re.compile(r"[\[\](), -]|^(str|int|float|bool|list|dict|none)$")
@@ -229,7 +313,7 @@ def _problem(errors: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], str | No
     if not errors:
         return {}, None, "invalid value"
     located = [(error, _param(error.get("loc", ()))) for error in errors]
-    specific = [(e, p) for e, p in located if not str(e.get("type", "")).endswith("_type")]
+    specific = [(e, p) for e, p in located if not _mismatch(str(e.get("type", "")))]
     if specific:
         chosen, param = specific[0]
         return chosen, param, str(chosen.get("msg", "invalid value"))
@@ -240,13 +324,25 @@ def _problem(errors: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], str | No
     return chosen, param, "Input should be " + " or ".join(kinds)
 
 
+# pydantic's lax mode's failures to read a value as the type ("five" as an integer): type
+# mismatches too, so a union member that wanted another type does not hide the member that
+# matched (a list of 300 prompts is too long, not "prompt.0: Input should be a valid integer")
+COERCION_ERRORS = frozenset({"int_parsing", "int_from_float", "float_parsing", "bool_parsing"})
+
+
+def _mismatch(code: str) -> bool:
+    """Whether pydantic's error ``code`` says the value is of another type."""
+    return code.endswith("_type") or code in COERCION_ERRORS
+
+
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError | RecursionError):
         # FastAPI's answer to a body json.loads cannot even start on (invalid UTF-8) or gives
         # up on (nested past Python's recursion limit): still a JSON error, so say so
         what = "not UTF-8" if isinstance(exc.__cause__, UnicodeDecodeError) else "nested too deep"
-        return _schema_error(f"request body is not valid JSON: {what}", None, "json_invalid")
+        message = f"request body is not valid JSON: {what}"
+        return response_for(schema_error(message, None, "json_invalid"))
     return JSONResponse(
         error_body(str(exc.detail), exc.status_code),
         status_code=exc.status_code,
@@ -316,21 +412,19 @@ def model_not_found(requested: str, served: str) -> APIError:
                     param="model", code="model_not_found")  # fmt: skip
 
 
-def model_failed_message(error: BaseException | None) -> str:
-    """The message of a request that a failed model call ended (HTTP 500 or an error event)."""
-    return f"model call failed: {error!r}"
-
-
 def generation_failed(error: BaseException | None, grammar_param: str | None) -> APIError:
     """The answer to a request that ended in error mid-generation: 400 ``invalid_grammar``
     naming ``grammar_param`` (the field that set the request's grammar) when the grammar engine
-    gave up on that grammar (``GrammarLimitError``: the client's grammar is the problem), else
-    500 ``model_error`` (a failed model call, or a model that broke its contract)."""
+    gave up on that grammar (``GrammarLimitError``: the client's grammar is the problem); 400
+    ``invalid_value`` when the request's own bans left no token to sample (``NoTokenLeftError``);
+    else 500 ``model_error`` (a failed model call, or a model that broke its contract)."""
     if isinstance(error, GrammarLimitError):
         param = grammar_param or "response_format"
         message = f"{param}: the grammar engine gave up on this grammar mid-generation: {error}"
         return InvalidField(message, param=param, code="invalid_grammar")
-    return ServerFault(model_failed_message(error), code="model_error")
+    if isinstance(error, NoTokenLeftError):
+        return InvalidField(str(error), code="invalid_value")
+    return ServerFault(f"model call failed: {error!r}", code="model_error")
 
 
 # --- Anthropic's shape (on /v1/messages, app.api.adapters.anthropic_errors) ----------------
@@ -356,6 +450,8 @@ def anthropic_error(status: int, body: bytes) -> tuple[int, bytes]:
         message, param = str(error["message"]), error.get("param")
     except (ValueError, KeyError, TypeError, AttributeError):
         message, param = body.decode("utf-8", "replace"), None
+    if isinstance(param, str):  # vLLM's schema family puts it under "body."
+        param = param.removeprefix("body.")
     if isinstance(param, str) and param not in message:  # Anthropic's shape has no param
         message = f"{param}: {message}"
     shaped = {"type": "error", "error": {"type": anthropic_type(status), "message": message}}

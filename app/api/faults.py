@@ -7,8 +7,9 @@ Contract:
   ``--failure-types``, ``--failure-mid-stream-rate``, ``--allow-fault-headers``) and one random
   generator seeded from ``--seed``: the same seed and the same order of requests give the same
   failures.
-- ``submit()`` takes the place of ``Serving.submit`` in the generation routes. The request is
-  checked as usual first, so a real error (400, 404, ...) wins over an injected one. Then a
+- ``FaultInjector.submit`` (the app's is ``app.state.faults``) takes the place of
+  ``Serving.submit`` in the generation routes. The request is checked as usual first, so a real
+  error (400, 404, ...) wins over an injected one. Then a
   failure is drawn (share ``--failure-rate`` of the valid requests, its type uniform from
   ``--failure-types``) or forced by ``x-slotserve-fail: TYPE``. An injected failure raises the
   ``APIError`` that the real failure raises, built by the same function, or, for
@@ -231,20 +232,3 @@ class BreakingStream(RequestStream):
             if shown:
                 logprobs = None if delta.logprobs is None else delta.logprobs[: len(shown)]
                 return Delta(shown, logprobs=logprobs)
-
-
-def submit(
-    request: Request,
-    serving: Serving,
-    params: GenerationParams,
-    *,
-    streaming: bool,
-    id_prefix: str = "gen",
-    model: str | None = None,
-    rank: int | None = None,
-) -> RequestStream:
-    """``FaultInjector.submit`` with the app's injector (``app.state.faults``)."""
-    injector: FaultInjector = request.app.state.faults
-    return injector.submit(
-        request, serving, params, streaming=streaming, id_prefix=id_prefix, model=model, rank=rank
-    )

@@ -5,7 +5,7 @@ A protocol module only translates:
 
 1. its body into an ``InternalRequest`` (prompts, ``n``, ``max_tokens``, sampling, stop rules,
    the output constraint, the tools offered, priority, user, the model the body named);
-2. ``start`` submits it (through failure injection, ``faults.submit``, so injected failures,
+2. ``start`` submits it (through failure injection, ``FaultInjector.submit``, so injected failures,
    the engine's request counters and its log line are the same on every route), then its other
    choices (``n``, several prompts) as requests of their own that fork from their prompt's
    first; it returns a ``Run``;
@@ -155,6 +155,7 @@ class Run:
     n: int = 1  # choices per prompt
     # the stop_token_ids a choice's stop_reason names (not end of sequence, checked first)
     stop_ids: frozenset[int] = frozenset()
+    request_type: str = "other"  # the tool-parser counter's label (app.metrics.REQUEST_TYPES)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -207,7 +208,8 @@ def start(request: Request, serving: Serving, internal: InternalRequest, key: st
     prompts = [internal.prompt, *internal.more_prompts]
     check_room(serving, len(prompts), internal.n, rank)
     params = engine_params(internal, lora, key)
-    stream = faults.submit(
+    injector: faults.FaultInjector = request.app.state.faults
+    stream = injector.submit(
         request, serving, params, streaming=internal.stream, id_prefix=internal.id_prefix,
         model=internal.model, rank=rank,
     )  # fmt: skip
@@ -225,7 +227,12 @@ def start(request: Request, serving: Serving, internal: InternalRequest, key: st
     eos = frozenset() if internal.ignore_eos else serving.tokenizer.stop_token_ids
     stop_ids = frozenset(internal.stop_token_ids) - eos
     return Run(stream.request_id, choices, internal.tools, grammar_param, model, top, internal.n,
-               stop_ids)  # fmt: skip
+               stop_ids, REQUEST_TYPE_BY_PREFIX.get(internal.id_prefix, "other"))  # fmt: skip
+
+
+# vLLM's request types (its tool-parser counter's label) of the routes that offer tools, by the id
+# prefix each route gives its requests (Messages: "other")
+REQUEST_TYPE_BY_PREFIX = {"chatcmpl": "chat_completions", "resp": "responses"}
 
 
 def engine_params(internal: InternalRequest, lora: str | None, key: str | None) -> GenerationParams:
@@ -400,12 +407,25 @@ async def collect(run: Run, serving: Serving) -> list[Outcome]:
     except ModelFailed:
         run.abort(serving)
         raise
-    return [choice.outcome(run.plan) for choice in run.choices]
+    outcomes = [choice.outcome(run.plan) for choice in run.choices]
+    if run.plan is not None:  # each reply was read for tool calls
+        for outcome in outcomes:
+            serving.metrics.tool_parse(False, bool(outcome.calls), run.request_type)
+    return outcomes
 
 
 async def await_outcomes(request: Request, run: Run, serving: Serving) -> list[Outcome]:
     """``collect``, aborting the request if the client leaves first (``ClientGone``)."""
     return await until_disconnected(request, collect(run, serving), lambda: run.abort(serving))
+
+
+async def whole_reply(request: Request, run: Run, serving: Serving) -> list[Outcome]:
+    """``await_outcomes`` for a reply sent whole: a failed choice raises its answer (the
+    ``APIError`` of ``ModelFailed``)."""
+    try:
+        return await await_outcomes(request, run, serving)
+    except ModelFailed as err:
+        raise err.error from err
 
 
 class EventShaper(Protocol):
@@ -466,11 +486,16 @@ class PartShaper(ABC):
         return self.closing(outcomes[0])
 
 
-def parts(choice: Choice, piece: Piece) -> list[Part]:
-    """``piece``'s text and tool-call parts (read by the choice's ``CallReader``)."""
-    if choice.reader is not None:
-        return choice.reader.feed(piece.text, piece.reason)
-    return [TextPiece(piece.text)] if piece.text else []
+def parts(run: Run, serving: Serving, piece: Piece) -> list[Part]:
+    """``piece``'s text and tool-call parts (read by its choice's ``CallReader``: each read
+    counted, as vLLM counts each delta its tool parser reads)."""
+    reader = run.choices[piece.index].reader
+    if reader is None:
+        return [TextPiece(piece.text)] if piece.text else []
+    found = reader.feed(piece.text, piece.reason)
+    called = any(not isinstance(part, TextPiece) for part in found)
+    serving.metrics.tool_parse(True, called, run.request_type)
+    return found
 
 
 async def events(run: Run, serving: Serving, shaper: EventShaper) -> AsyncIterator[bytes]:
@@ -480,7 +505,7 @@ async def events(run: Run, serving: Serving, shaper: EventShaper) -> AsyncIterat
             yield event
         try:
             async for piece in all_texts(run, serving):
-                for event in shaper.pieces(piece, parts(run.choices[piece.index], piece)):
+                for event in shaper.pieces(piece, parts(run, serving, piece)):
                     yield event
         except ModelFailed as err:
             run.abort(serving)

@@ -18,7 +18,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from app.api.deps import ServingDep
 from app.api.errors import InvalidField, NotFound, documented
@@ -37,8 +37,6 @@ Id = Annotated[str, Field(min_length=1, max_length=MAX_TEXT)]
 
 class FetchRequest(BaseModel):
     """A consumer's pull: the producer's engine id, the request whose blocks it holds."""
-
-    model_config = ConfigDict(extra="ignore")
 
     engine_id: Id
     request_id: Id

@@ -66,26 +66,38 @@ def _permission(created: int) -> dict[str, Any]:
 async def completions(
     body: CompletionRequest, request: Request, serving: ServingDep, key_name: KeyNameDep
 ) -> Response:
-    internal = completion_request(body, serving)
-    await serving.precompile(internal.constraint, internal.constraint_param)
-    note = await _transfer(body, request, serving, internal)
-    run = generation.start(request, serving, internal, key_name)
-    shape = CompletionShape(run, body, serving)
-    response = await _respond(run, body, request, serving, shape)
-    return kv_transfer.mark(generation.flag_priority(response, serving, internal), note)
+    return await _serve(completion_request(body, serving), body, request, serving, key_name)
 
 
 @router.post("/chat/completions", responses=ERROR_RESPONSES)
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, serving: ServingDep, key_name: KeyNameDep
 ) -> Response:
-    internal = chat_request(body, serving)
+    return await _serve(chat_request(body, serving), body, request, serving, key_name)
+
+
+async def _serve(
+    internal: InternalRequest,
+    body: OpenAIParams,
+    request: Request,
+    serving: Serving,
+    key_name: str | None,
+) -> Response:
+    """``internal`` (``body`` in the engine's terms) run and answered, whole or streamed, in
+    its route's layout: a completion's, a chat's, or a chat's that may call tools."""
     await serving.precompile(internal.constraint, internal.constraint_param)
     note = await _transfer(body, request, serving, internal)
     run = generation.start(request, serving, internal, key_name)
-    plain = internal.tools is None
-    shape = ChatShape(run, body, serving) if plain else ToolChatShape(run, body, serving)
-    response = await _respond(run, body, request, serving, shape)
+    shape: type[Shape] = ChatShape if internal.tools is None else ToolChatShape
+    if isinstance(body, CompletionRequest):
+        shape = CompletionShape
+    layout = shape(run, body, serving)
+    if body.stream:
+        response = generation.stream_response(run, serving, layout)
+    else:
+        outcomes = await generation.whole_reply(request, run, serving)
+        fields = "n, max_tokens, logprobs, echo or prompt_logprobs"
+        response = reply_bounds.json_reply(layout.whole(outcomes), serving, fields)
     return kv_transfer.mark(generation.flag_priority(response, serving, internal), note)
 
 
@@ -236,19 +248,6 @@ def _logprob_ask(body: OpenAIParams, n: int) -> reply_bounds.LogprobAsk:
         return reply_bounds.LogprobAsk(n, top, prompt, fields, echo=echo)
     chat = ("top_logprobs", "n", "max_completion_tokens", "prompt_logprobs")
     return reply_bounds.LogprobAsk(n, top, prompt, chat, prompt_once=True)
-
-
-async def _respond(
-    run: Run, body: OpenAIParams, request: Request, serving: Serving, shape: Shape
-) -> Response:
-    if body.stream:
-        return generation.stream_response(run, serving, shape)
-    try:
-        outcomes = await generation.await_outcomes(request, run, serving)
-    except generation.ModelFailed as err:
-        raise err.error from err
-    fields = "n, max_tokens, logprobs, echo or prompt_logprobs"
-    return reply_bounds.json_reply(shape.whole(outcomes), serving, fields)
 
 
 def _piece(outcome: Outcome) -> Piece:

@@ -45,7 +45,7 @@ ROUTES = ("/v1/completions/render", "/v1/chat/completions/render")
 async def render_completion(body: CompletionRequest, serving: ServingDep) -> Response:
     """Each prompt's token-in request (a list, in the prompts' order)."""
     return await off_the_loop(
-        lambda: _generate_requests("cmpl", completion_request(body, serving), body, serving)
+        lambda: _generate_requests(completion_request(body, serving), body, serving)
     )
 
 
@@ -53,14 +53,12 @@ async def render_completion(body: CompletionRequest, serving: ServingDep) -> Res
 async def render_chat_completion(body: ChatCompletionRequest, serving: ServingDep) -> Response:
     """The chat's token-in request: its prompt through the chat template, as generation does."""
     return await off_the_loop(
-        lambda: _generate_requests(
-            "chatcmpl", chat_request(body, serving, decide=False), body, serving
-        )[0]
+        lambda: _generate_requests(chat_request(body, serving, decide=False), body, serving)[0]
     )
 
 
 def _generate_requests(
-    kind: str, internal: InternalRequest, body: OpenAIParams, serving: Serving
+    internal: InternalRequest, body: OpenAIParams, serving: Serving
 ) -> list[dict[str, Any]]:
     """vLLM's ``GenerateRequest`` for each prompt of ``internal`` (the checked ``body``), each
     prompt checked as the engine would check it (``InvalidRequestError``: the route's 400)."""
@@ -70,12 +68,12 @@ def _generate_requests(
     out = []
     for ids in prompts:  # no grammar: only the generation route compiles one
         seq = serving.prepare(dataclasses.replace(first, prompt=ids, constraint=None))
-        out.append(_generate_request(kind, ids, seq.max_tokens, internal, body))
+        out.append(_generate_request(ids, seq.max_tokens, internal, body))
     return out
 
 
 def _generate_request(
-    kind: str, ids: list[int], max_tokens: int, internal: InternalRequest, body: OpenAIParams
+    ids: list[int], max_tokens: int, internal: InternalRequest, body: OpenAIParams
 ) -> dict[str, Any]:
     """vLLM's ``GenerateRequest`` for prompt ``ids`` of ``body`` (``max_tokens``: resolved)."""
     sampling = internal.sampling
@@ -100,7 +98,7 @@ def _generate_request(
     stream = bool(body.stream)
     options = body.stream_options.model_dump() if stream and body.stream_options else None
     return {
-        "request_id": f"{kind}-{uuid.uuid4().hex}",
+        "request_id": f"{internal.id_prefix}-{uuid.uuid4().hex}",
         "token_ids": ids,
         "features": None,
         "sampling_params": params,

@@ -1,6 +1,8 @@
-"""Request bodies. Integers are strict (``"5"`` and ``5.0`` are refused), unknown OpenAI fields
-are ignored so real clients work; semantic checks (vocabulary, context length) live in
-``app.serving``."""
+"""Request bodies. Integers and booleans are read as vLLM's schema reads them (pydantic's lax
+mode: ``"5"`` and ``5.0`` are 5, ``5.5`` and ``"five"`` are refused; ``"false"``, ``0`` and
+``"no"`` are false, ``2`` is refused), unknown fields are ignored (pydantic's
+default; a body that refuses them sets ``extra="forbid"``) so real clients work; semantic checks
+(vocabulary, context length) live in ``app.serving``."""
 
 from __future__ import annotations
 
@@ -12,12 +14,11 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    StrictBool,
-    StrictInt,
     StrictStr,
     model_validator,
 )
 
+from app.api.errors import InvalidField
 from app.api.structured import ResponseFormat, StructuredOutputs
 from app.models.protocol import SamplingParams
 
@@ -29,17 +30,13 @@ FunctionName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
 
 
 class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
     name: FunctionName
     description: StrictStr | None = None
     parameters: dict[str, Any] | None = None
-    strict: StrictBool | None = None
+    strict: bool | None = None
 
 
 class ToolDef(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
     type: Literal["function"]
     function: FunctionDef
 
@@ -49,23 +46,17 @@ class NamedFunction(BaseModel):
 
 
 class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
     type: Literal["function"]
     function: NamedFunction
 
 
 class CalledFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
     name: FunctionName  # rendered into the prompt, as a tool's name is
     arguments: StrictStr
 
 
 class MessageToolCall(BaseModel):
     """An earlier assistant message's call, as the client sends it back."""
-
-    model_config = ConfigDict(extra="ignore")
 
     id: StrictStr
     type: Literal["function"] = "function"
@@ -92,17 +83,18 @@ def _unicode_text(text: str) -> str:
 
 Text = Annotated[StrictStr, AfterValidator(_unicode_text)]
 NonEmptyText = Annotated[StrictStr, Field(min_length=1), AfterValidator(_unicode_text)]
-TokenId = Annotated[StrictInt, Field(ge=0)]
+TokenId = Annotated[int, Field(ge=0)]
 RequestId = Annotated[
     StrictStr, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")
 ]
-MaxTokens = Annotated[StrictInt, Field(ge=0)]
-Priority = Annotated[StrictInt, Field(ge=-1000, le=1000)]
+MaxTokens = Annotated[int, Field(ge=0)]
+Priority = Annotated[int, Field(ge=-1000, le=1000)]
 UserName = Annotated[StrictStr, Field(max_length=256), AfterValidator(_unicode_text)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 TokenKey = Annotated[StrictStr, Field(pattern=r"^[0-9]{1,9}$")]  # a token id as a JSON key
 Bias = Annotated[float, Field(ge=-100, le=100)]
-TopLogprobs = Annotated[StrictInt, Field(ge=0, le=20)]
+TopLogprobs = Annotated[int, Field(ge=0, le=20)]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # 64 bits, as vLLM's schema bounds it
 MAX_LOGIT_BIAS = 1024  # entries
 MAX_BAD_WORDS = 64
 
@@ -111,39 +103,35 @@ class SamplingFields(BaseModel):
     """Per-request sampling (vLLM's names and ranges). The mocks ignore them; a real model
     honours them. An omitted ``temperature`` means the model's default."""
 
-    temperature: Annotated[float, Field(ge=0, le=100)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None  # vLLM's (and OpenAI's)
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[StrictInt, Field(ge=-1)] | None = Field(None, description="-1 or 0: off")
+    top_k: Annotated[int, Field(ge=-1)] | None = Field(None, description="-1 or 0: off")
     min_p: Annotated[float, Field(ge=0, le=1)] | None = Field(None, description="0: off")
-    seed: StrictInt | None = Field(None, description="same seed, same tokens, whatever the batch")
+    seed: Seed | None = Field(None, description="same seed, same tokens, whatever the batch")
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
     logit_bias: Annotated[dict[TokenKey, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
-    min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
     bad_words: Annotated[list[NonEmptyText], Field(max_length=MAX_BAD_WORDS)] | None = None
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
 
     def sampling(self) -> SamplingParams:
         """The sampling parameters (``bad_words`` are text: the server tokenizes them)."""
-        fields: dict[str, Any] = {
-            "temperature": self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p,
-            "top_k": max(0, self.top_k or 0),
-            "seed": self.seed,
-            "min_p": 0.0 if self.min_p is None else self.min_p,
-            "frequency_penalty": self.frequency_penalty or 0.0,
-            "presence_penalty": self.presence_penalty or 0.0,
-            "repetition_penalty": self.repetition_penalty or 1.0,
-            "logit_bias": tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
-            "min_tokens": self.min_tokens or 0,
-            "allowed_token_ids": (
-                None
-                if self.allowed_token_ids is None
-                else tuple(sorted(set(self.allowed_token_ids)))
-            ),
-        }
-        return SamplingParams(**fields)
+        allowed = self.allowed_token_ids
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(0, self.top_k or 0),
+            seed=self.seed,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
+            min_tokens=self.min_tokens or 0,
+            allowed_token_ids=None if allowed is None else tuple(sorted(set(allowed))),
+        )
 
 
 class GenerateRequest(SamplingFields):
@@ -153,8 +141,8 @@ class GenerateRequest(SamplingFields):
 
     prompt: Annotated[list[TokenId], Field(min_length=1)] | NonEmptyText
     max_tokens: MaxTokens | None = Field(None, description="generated tokens at most")
-    stream: StrictBool = True
-    ignore_eos: StrictBool = False
+    stream: bool = True
+    ignore_eos: bool = False
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
     request_id: RequestId | None = Field(None, description="client id; a live duplicate: 409")
     priority: Priority = Field(0, description="lower runs first under --policy priority")
@@ -162,7 +150,7 @@ class GenerateRequest(SamplingFields):
 
 
 class StreamOptions(BaseModel):
-    include_usage: StrictBool = False
+    include_usage: bool = False
 
 
 NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
@@ -181,17 +169,15 @@ NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
 class OpenAIParams(SamplingFields):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
-    model_config = ConfigDict(extra="ignore")
-
     model: Text | None = None
     max_tokens: MaxTokens | None = None
-    stream: StrictBool | None = False  # null: the default, as OpenAI accepts
+    stream: bool | None = False  # null: the default, as OpenAI accepts
     stream_options: StreamOptions | None = None
     stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=16)] | None = None
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
-    ignore_eos: StrictBool = False
-    n: Annotated[StrictInt, Field(ge=1)] | None = Field(1, description="choices (--max-n)")
-    best_of: Annotated[StrictInt, Field(ge=1)] | None = Field(None, description="must equal n")
+    ignore_eos: bool = False
+    n: Annotated[int, Field(ge=1)] | None = Field(1, description="choices (--max-n)")
+    best_of: Annotated[int, Field(ge=1)] | None = Field(None, description="must equal n")
     priority: Priority = Field(0, description="vLLM's extension: lower runs first")
     user: UserName | None = None
     prompt_logprobs: TopLogprobs | None = Field(None, description="vLLM's: per prompt token")
@@ -245,10 +231,20 @@ MAX_PROMPTS = 256  # prompts in one completion request (each answered by n choic
 
 class CompletionRequest(OpenAIParams):
     logprobs: TopLogprobs | None = Field(None, description="log probabilities of N alternatives")
-    echo: StrictBool | None = False
+    echo: bool | None = False
 
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
+
+    @model_validator(mode="before")
+    @classmethod
+    def _prompt_given(cls, data: Any) -> Any:
+        """A missing or null ``prompt`` is refused as vLLM refuses it, by its own check before
+        the schema's (a ``BadRequestError`` naming ``prompt``, not the schema's error)."""
+        if isinstance(data, dict) and data.get("prompt") is None:
+            raise InvalidField("prompt must be provided and non-empty", param="prompt",
+                               code="missing")  # fmt: skip
+        return data
 
     @model_validator(mode="after")
     def _echo_logprobs(self) -> CompletionRequest:
@@ -269,15 +265,11 @@ class ContentPart(BaseModel):
     """One part of a message's content; only text parts carry text (others, such as images,
     are accepted and read as empty)."""
 
-    model_config = ConfigDict(extra="ignore")
-
     type: StrictStr = "text"
     text: Text = ""
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
     # any role the chat template may know, as vLLM accepts ("system", "user", "assistant",
     # "tool", "developer" have a meaning here); a word, so no role can forge template markup
     role: Annotated[StrictStr, Field(pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")]
@@ -303,8 +295,8 @@ class ChatCompletionRequest(OpenAIParams):
     max_completion_tokens: MaxTokens | None = None
     tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
     tool_choice: ToolChoiceField | None = None
-    parallel_tool_calls: StrictBool | None = None
-    logprobs: StrictBool | None = False
+    parallel_tool_calls: bool | None = None
+    logprobs: bool | None = False
     top_logprobs: TopLogprobs | None = None
 
     def top_logprobs_asked(self) -> int | None:

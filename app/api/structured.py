@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
 from app.api.errors import InvalidField
 from app.structured.constraint import Constraint
@@ -23,13 +23,11 @@ class JSONSchemaFormat(BaseModel):
 
     name: Annotated[StrictStr, Field(min_length=1, max_length=64)]
     schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: StrictBool | None = None
+    strict: bool | None = None
     description: StrictStr | None = None
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
@@ -43,7 +41,7 @@ class StructuredOutputs(BaseModel):
     regex: StrictStr | None = None
     choice: Annotated[list[StrictStr], Field(min_length=1)] | None = None
     grammar: StrictStr | None = None
-    json_object: StrictBool | None = None
+    json_object: bool | None = None
     # vLLM's knobs this server does not honour: refused when set (see ``_from_structured_outputs``)
     whitespace_pattern: object = None
     structural_tag: object = None
@@ -81,9 +79,10 @@ def _from_response_format(fmt: ResponseFormat | None) -> Constraint | None:
         return None
     if fmt.type == "json_object":
         return Constraint.json_object()
-    if fmt.json_schema is None:
+    if fmt.json_schema is None:  # vLLM's check names the format
         raise InvalidField("response_format.json_schema is required with type json_schema",
-                           param="response_format.json_schema", code="missing")  # fmt: skip
+                           param="response_format.json_schema", code="missing",
+                           shown="response_format")  # fmt: skip
     schema = fmt.json_schema.schema_
     return Constraint.json_schema(schema if schema is not None else {})
 

@@ -1,7 +1,8 @@
 """Tool calling on every protocol: the tools offered and the choice as a ``ToolPlan``
 (``plan_tools``: one checker, 400s naming the field; ``tool_plan`` reads chat's fields, whose
 schemas are in ``app.api.schemas``), the tool messages' checks, the prompt (the chat template's
-own tool rendering when it has one, else the default format of app/structured/tools.py), and
+own tool rendering when it has one; else, as ``--tool-prompt-fallback`` says, the messages as
+they are, as vLLM, or the default format of app/structured/tools.py), and
 chat's ``tool_calls`` entries (``call_json``). Calls are read back by ``app.api.tool_reader``."""
 
 from __future__ import annotations
@@ -131,8 +132,11 @@ def _bad_message(message: str, param: str) -> APIError:
 
 
 def chat_prompt(messages: list[ChatMessage], plan: ToolPlan | None, serving: Serving) -> list[int]:
-    """The prompt's token ids: the template's own tool rendering when it has one, else the
-    default format (tools in a system message, calls and results as text)."""
+    """The prompt's token ids. A template that renders tools gets the messages and the tools.
+    One that cannot (``supports_tools`` false): with ``--tool-prompt-fallback none`` (the
+    default, vLLM's answer) it gets each turn's role and text: the model is told of no tools,
+    an assistant's calls are not shown, a result is a ``tool`` turn's content; with
+    ``describe``, the default format (tools in a system message, calls and results as text)."""
     check_tool_messages(messages)
     tokenizer = serving.tokenizer
     has_tools = plan is not None or any(m.tool_calls or m.role == "tool" for m in messages)
@@ -141,6 +145,8 @@ def chat_prompt(messages: list[ChatMessage], plan: ToolPlan | None, serving: Ser
         dicts = [_template_message(m) for m in messages]
         ids: list[int] = tokenizer.chat_prompt_with_tools(dicts, tools)  # type: ignore[attr-defined]
         return ids
+    if serving.settings.tool_prompt_fallback == "none":
+        return tokenizer.chat_prompt([(m.template_role(), m.text()) for m in messages])
     pairs = [(m.template_role(), _default_text(m)) for m in messages]
     if plan is not None:
         offer = tools_prompt(plan.tools, plan.choice)
@@ -183,5 +189,7 @@ def _loaded(arguments: str) -> object:
 
 
 def call_json(index: int, call: ToolCall, with_arguments: bool = True) -> dict[str, Any]:
-    function = {"name": call.name, "arguments": call.arguments if with_arguments else ""}
+    """A chat ``tool_calls`` entry; without ``with_arguments``, a stream's first chunk of the
+    call: its id and name only, the arguments following in later chunks (as vLLM sends it)."""
+    function = {"name": call.name} | ({"arguments": call.arguments} if with_arguments else {})
     return {"index": index, "id": call.id, "type": "function", "function": function}

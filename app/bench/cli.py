@@ -8,6 +8,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -24,6 +25,7 @@ from app.bench import report, workload
 from app.bench.client import RequestResult
 from app.bench.metrics import parse_slo
 from app.bench.runner import BenchError, Interrupted, RunConfig, RunOutput, run
+from app.bench.workload import WorkloadConfig
 
 PROGRESS_LINE_S = 5.0  # seconds between progress lines when stderr is not a terminal
 
@@ -179,25 +181,14 @@ def _setup(
         raise ValueError("--warmup must be >= 0; --timeout and --monitor-interval > 0")
     if not args.url.startswith(("http://", "https://")):
         raise ValueError(f"--url must start with http:// or https://, got {args.url!r}")
-    base = workload.WorkloadConfig(
-        num_requests=args.num_requests,
-        prompt_len=workload.parse_lengths(args.prompt_len),
-        output_len=workload.parse_lengths(args.output_len),
-        request_rate=args.request_rate,
-        burstiness=args.burstiness,
-        cancel_rate=args.cancel_rate,
-        seed=args.seed,
-        preset=args.preset,
-        long_requests=args.long_requests,
-        long_tokens=args.long_tokens,
-        short_tokens=args.short_tokens,
-    )
+    # every field of the workload is the flag of its name; the lengths parsed
+    fields = {field.name: getattr(args, field.name) for field in dataclasses.fields(WorkloadConfig)}
+    lengths = {name: workload.parse_lengths(fields[name]) for name in ("prompt_len", "output_len")}
+    base = WorkloadConfig(**(fields | lengths))
     specs = workload.build(base)
     warmup = []
     if args.warmup:
-        warm = workload.WorkloadConfig(
-            args.warmup, base.prompt_len, base.output_len, seed=args.seed + 1
-        )
+        warm = WorkloadConfig(args.warmup, base.prompt_len, base.output_len, seed=args.seed + 1)
         warmup = workload.build(warm)
     headers = [_header(h) for h in args.header]
     api_key = args.api_key or os.environ.get("SLOTSERVE_API_KEY")  # never shown in --help

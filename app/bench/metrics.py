@@ -32,15 +32,12 @@ class Stats:
     count: int
 
     def as_dict(self) -> dict[str, float | None]:
-        def clean(x: float) -> float | None:
-            return None if math.isnan(x) else round(x, 3)
+        return {name: rounded(getattr(self, name)) for name in ("mean", "p50", "p90", "p99")}
 
-        return {
-            "mean": clean(self.mean),
-            "p50": clean(self.p50),
-            "p90": clean(self.p90),
-            "p99": clean(self.p99),
-        }
+
+def rounded(x: float) -> float | None:
+    """``x`` to 3 decimals for the JSON report (None for NaN: no value)."""
+    return None if math.isnan(x) else round(x, 3)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from app.bench.client import RequestResult
-from app.bench.metrics import Stats, Summary, request_times, summarize
+from app.bench.metrics import Summary, request_times, rounded, summarize
 from app.bench.runner import SATURATED, RunOutput
 
 INSTALL_HINT = "--report needs matplotlib: pip install 'slotserve[bench]'"
@@ -39,12 +39,12 @@ def summary_dict(summary: Summary) -> dict[str, Any]:
         "cancelled": summary.cancelled,
         "failed": summary.failed,
         "duration_s": round(summary.duration_s, 4),
-        "request_throughput": _round(summary.request_throughput),
-        "output_throughput": _round(summary.output_throughput),
+        "request_throughput": rounded(summary.request_throughput),
+        "output_throughput": rounded(summary.output_throughput),
         "output_tokens": summary.output_tokens,
         "output_chunks": summary.output_chunks,
         "received_tokens": summary.received_tokens,
-        "goodput": None if summary.goodput is None else _round(summary.goodput),
+        "goodput": None if summary.goodput is None else rounded(summary.goodput),
     }
     for name in LATENCIES:
         body[name] = getattr(summary, name).as_dict()
@@ -139,10 +139,6 @@ def _stat_cell(name: str, stat: str) -> Any:
         return "-" if math.isnan(value) else f"{value:,.1f}"
 
     return cell
-
-
-def _round(x: float) -> float | None:
-    return None if math.isnan(x) else round(x, 3)
 
 
 def require_matplotlib() -> None:
@@ -241,11 +237,3 @@ def _load_chart(plt: Any, run: RunOutput, path: Path, title: str) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
-
-
-def stats_line(name: str, stats: Stats) -> str:
-    """``TTFT ms mean 1.0 p50 ... `` for scripts that print one line per metric."""
-    return (
-        f"{name} ms mean {stats.mean:.1f} p50 {stats.p50:.1f} p90 {stats.p90:.1f} "
-        f"p99 {stats.p99:.1f}"
-    )

@@ -26,6 +26,13 @@ class GrammarLimitError(Exception):
     grammar engine's, shortened."""
 
 
+class NoTokenLeftError(Exception):
+    """A request's own bans (``allowed_token_ids``, ``logit_bias`` -100, ``bad_words``, the stop
+    tokens before ``min_tokens``), with its grammar's mask, left no token to sample mid-decode
+    (the model reported ``NO_TOKEN`` for its row): the client's request is the problem, not
+    the model, so the API answers it as a 400 (the stream's error event when streamed)."""
+
+
 class UnsupportedFeatureError(ValueError):
     """The engine was configured with a feature its model does not implement."""
 

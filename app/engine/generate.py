@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from itertools import chain
 from operator import countOf
 
@@ -39,30 +40,59 @@ def generate(
     scheduler = Scheduler(num_slots)
     runner = make_runner(model, num_slots, pad_sequence)
     stops = frozenset((stop_token,))
-    seqs = [Sequence(r.request_id, list(r.prompt), r.max_tokens, stops, include_stop)
-            for r in requests]  # fmt: skip
+    results: dict[str, list[int]] = {r.request_id: [] for r in requests}  # filled as each ends
+    # Each request becomes a ``Sequence`` only when a slot is about to free for it, and is
+    # dropped when it ends (its tokens go to ``results``): few objects live at a time.
+    arrivals = (Sequence(r.request_id, list(r.prompt), r.max_tokens, stops, include_stop)
+                for r in requests)  # fmt: skip
     now = time.monotonic()
-    for seq in seqs:
-        scheduler.add(seq, now)
+    _queue(scheduler, arrivals, num_slots, results, now)
     try:
         while True:
-            out = scheduler.schedule(time.monotonic())
+            out = scheduler.schedule(now)  # a step starts when the previous one ended
             if out.empty:  # done, or the model cannot reset a slot: retry, or give up
                 if not scheduler.has_work():
                     break
-                _recover_slots(runner, scheduler, seqs)
+                _recover_slots(runner, scheduler, results)
+                now = time.monotonic()
                 continue
             try:
                 result = runner.execute(out)
             except ModelError as err:  # the model broke its contract
-                err.partial = _partial(seqs)
+                err.partial = _partial(scheduler, results)
                 raise
             except Exception as err:
-                raise ModelError(f"model call failed: {err!r}", _partial(seqs)) from err
-            scheduler.update(out, result, time.monotonic())
+                raise ModelError(
+                    f"model call failed: {err!r}", _partial(scheduler, results)
+                ) from err
+            now = time.monotonic()
+            finished = scheduler.update(out, result, now).finished
+            if finished:
+                for seq in finished:
+                    results[seq.request_id] = seq.generated
+                _queue(scheduler, arrivals, len(finished), results, now)
     finally:
         close_quietly(runner)
-    return {seq.request_id: seq.generated for seq in seqs}
+    return results
+
+
+def _queue(
+    scheduler: Scheduler,
+    arrivals: Iterator[Sequence],
+    count: int,
+    results: dict[str, list[int]],
+    now: float,
+) -> None:
+    """Hand the scheduler the next ``count`` requests that need the model, so that every slot
+    freed in a step has a request waiting for it (in list order). A request that ends at once
+    (``max_tokens == 0``) gets its empty result here."""
+    for seq in arrivals:
+        if scheduler.add(seq, now):
+            results[seq.request_id] = seq.generated
+            continue
+        count -= 1
+        if not count:
+            return
 
 
 def validate_requests(requests: list[Request], num_slots: int, stop_token: int) -> None:
@@ -105,16 +135,24 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _recover_slots(runner: ModelRunner, scheduler: Scheduler, seqs: list[Sequence]) -> None:
+def _recover_slots(
+    runner: ModelRunner, scheduler: Scheduler, results: dict[str, list[int]]
+) -> None:
     """Nothing could be scheduled: have the model retry its failed slot resets; if a slot is
     still unavailable, raise ``ModelError`` with the partial results (``generate()`` does not
     wait for a model to heal)."""
     unavailable = runner.retry_resets()
     scheduler.slots.set_out_of_service(unavailable)
     if unavailable:
-        raise ModelError(f"the model failed to reset slots {sorted(unavailable)}", _partial(seqs))
+        raise ModelError(
+            f"the model failed to reset slots {sorted(unavailable)}", _partial(scheduler, results)
+        )
 
 
-def _partial(seqs: list[Sequence]) -> dict[str, list[int]]:
-    """Every request's tokens so far (carried by the error that ends a run)."""
-    return {seq.request_id: seq.generated for seq in seqs}
+def _partial(scheduler: Scheduler, results: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Every request's tokens so far (carried by the error that ends a run): ``results`` for
+    the requests that ended or never started, the scheduler's own for the rest."""
+    partial = dict(results)
+    for seq in [*scheduler.slots.running(), *scheduler.waiting]:
+        partial[seq.request_id] = seq.generated
+    return partial

@@ -60,35 +60,31 @@ class StatelessRunner:
         self.model = model
         self.num_slots = num_slots
         self.pad_sequence = pad_sequence
-        self._decodes: list[Sequence] = []  # the previous step's decode list and its inputs:
-        self._inputs: list[list[int]] = []  # while it is unchanged, the same lists serve again
         self._constrained = ConstrainedRows()
         self._sampled = getattr(model, "next_tokens_for", None)
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
-        seqs = out.decode_seqs
-        if seqs is not self._decodes:  # the same list while no decode request changes
-            self._decodes, self._inputs = seqs, list(map(_TOKENS, seqs))
-        inputs, plain, sampling = self._inputs, out.decodes_plain, []
+        seqs, inputs, plain, sampling = out.decode_seqs, out.decode_inputs, out.decodes_plain, []
         if out.prefills:
             sampling = list(compress(out.prefill_seqs, map(_SAMPLE, out.prefills)))
-            seqs, inputs = seqs + sampling, inputs + list(map(_TOKENS, sampling))
+            inputs = inputs + list(map(_TOKENS, sampling))
             plain = plain and all(map(_PLAIN, sampling))
         if not inputs:
             return ModelOutput([])
         if not plain and self._sampled is not None:
-            output = model_output(self._sampled(seqs), len(seqs))
+            batch = seqs + sampling
+            output = model_output(self._sampled(batch), len(batch))
         elif self.pad_sequence is not None:
-            output = ModelOutput(self._padded(seqs, inputs))
+            output = ModelOutput(self._padded(seqs + sampling, inputs))
         else:
             output = ModelOutput(checked_tokens(self.model.next_tokens(inputs), len(inputs)))
-        if out.decodes_constrained or sampling:
+        if out.decodes_constrained or (sampling and not all_unconstrained(sampling)):
             rows = self._constrained.rows(out, sampling)
             output = _obeyed_output(output, rows) if rows else output
         return output
 
     def close(self) -> None:
-        self._decodes, self._inputs = [], []
+        pass  # a stateless model holds nothing
 
     def retry_resets(self) -> frozenset[int]:
         return frozenset()  # a stateless model has no cache to reset
@@ -229,11 +225,16 @@ class ConstrainedRows:
             self._decodes = decodes
             self._rows = [(i, seq) for i, seq in enumerate(decodes) if seq.constraint is not None]
         found = self._rows if constrained else []
-        if countOf(map(attrgetter("constraint"), sampled), None) == len(sampled):  # no grammar
+        if all_unconstrained(sampled):
             return found
         base = len(decodes)
         extra = [(base + i, seq) for i, seq in enumerate(sampled) if seq.constraint is not None]
         return [*found, *extra]
+
+
+def all_unconstrained(seqs: list[Sequence]) -> bool:
+    """Whether no request of ``seqs`` has a grammar (one C-level pass)."""
+    return countOf(map(_CONSTRAINT, seqs), None) == len(seqs)
 
 
 def obeyed(tokens: list[int], rows: list[tuple[int, Sequence]]) -> list[int]:
@@ -307,6 +308,7 @@ def make_runner(model: Model, num_slots: int, pad_sequence: list[int] | None = N
 
 
 _TOKENS, _SAMPLE, _PLAIN = attrgetter("tokens"), attrgetter("sample"), attrgetter("sampling.plain")
+_CONSTRAINT = attrgetter("constraint")
 
 
 def model_output(

@@ -31,18 +31,28 @@ losing nothing but time.
 
 from __future__ import annotations
 
-from bisect import insort
+from bisect import bisect
 from dataclasses import dataclass
 from enum import StrEnum
 from operator import attrgetter
 
-from app.engine.errors import ModelOutputError
+from app.engine.errors import NoTokenLeftError
 from app.engine.kv_books import KVBooks
 from app.engine.policies import FCFS, Policy, PolicyConfig, make_policy
 from app.engine.prefix_cache import CachedBlock, PrefixCache
 from app.engine.slots import SlotTable
 from app.engine.step import ModelOutput, SchedulerOutput, StepOutcome
-from app.engine.types import FinishReason, RequestStatus, Sequence
+from app.engine.types import (
+    FINISHED,
+    PREEMPTED,
+    REASON_LENGTH,
+    REASON_STOP,
+    RUNNING,
+    WAITING,
+    FinishReason,
+    RequestStatus,
+    Sequence,
+)
 from app.engine.waiting import WaitingQueue
 from app.kv_transfer.holds import DEFAULT_HOLD_SECONDS, Held, Holds
 from app.models.protocol import NO_TOKEN, Logprobs, PrefillChunk
@@ -147,12 +157,17 @@ class Scheduler:
         self.holds = Holds(self.books.total, config.kv_hold_seconds)
         self.books.holds = self.holds
         self._count_blocks = config.kv_binds or self.prefix_cache is not None
+        self._static = config.batching is BatchingPolicy.STATIC
         self._budget = config.max_num_batched_tokens or UNBOUNDED
         self._chunk_cap = config.max_prefill_chunk or self._budget
         self._prefilling: list[Sequence] = []  # running, prefill incomplete, admission order
-        # running past prefill, in slot order: replaced, never modified, when it changes (a
-        # plan keeps its list); how many of them sample other than plainly, or have a grammar
+        # running past prefill, in slot order, and their token lists in the same order (the
+        # stateless runner's inputs); how many of them sample other than plainly, or have a
+        # grammar. Once a plan carries the two lists (``_decoding_planned``) they are never
+        # modified: the first change after that copies them (copy on write, once a step)
         self._decoding: list[Sequence] = []
+        self._decoding_tokens: list[list[int]] = []
+        self._decoding_planned = False
         self._unplain = self._constrained = 0
         self._released: list[int] = []
         self._preempted: list[Sequence] = []
@@ -183,18 +198,18 @@ class Scheduler:
         """Queue ``seq``. Returns True if it finished at once: ``max_tokens == 0`` (never run,
         ``length``) or too long for the whole KV cache (``error``)."""
         if seq.max_tokens <= 0 and seq.prompt_logprobs is None:
-            set_status(seq, RequestStatus.FINISHED, FinishReason.LENGTH, now)  # (with prompt
+            set_status(seq, FINISHED, FinishReason.LENGTH, now)  # (with prompt
             return True  # log probabilities it runs for its prefill)
         if self._count_blocks and not self.books.fits_ever(seq.token_limit - 1):
             seq.error = ValueError(
                 f"request {seq.request_id!r} needs up to {seq.token_limit - 1} tokens of KV "
                 f"cache; the cache holds {self.books.capacity_tokens}"
             )
-            set_status(seq, RequestStatus.FINISHED, FinishReason.ERROR, now)
+            set_status(seq, FINISHED, FinishReason.ERROR, now)
             return True
         if seq.fork_of is not None and not self._may_fork(seq, seq.fork_of):
             seq.fork_of = None
-        set_status(seq, RequestStatus.WAITING)
+        set_status(seq, WAITING)
         self.waiting.push(seq)
         if self.policy is not None:
             self.policy.on_queued(seq, now, new=True)
@@ -261,11 +276,11 @@ class Scheduler:
         blocks freed, and it goes back to the front of the queue. When it gets a slot again,
         its prompt and generated tokens are recomputed (chunked and counted as prefill) and it
         goes on where it stopped: its stream sees no token twice and none missing."""
-        if seq.status is not RequestStatus.RUNNING:
+        if seq.status is not RUNNING:
             raise ValueError(f"request {seq.request_id!r} is not running")
         if self.policy is not None:
             self.policy.on_preempted(seq, now)
-        self._requeue(seq, RequestStatus.PREEMPTED, now)
+        self._requeue(seq, PREEMPTED, now)
         seq.num_preemptions += 1
         self._preempted.append(seq)
 
@@ -284,7 +299,10 @@ class Scheduler:
             decoding = self._decodes_that_fit(now)
         else:  # the cache never binds
             decoding, self._free_blocks = self._decoding, UNBOUNDED
-        out = SchedulerOutput(decoding, now, not self._unplain, self._constrained > 0)
+        out = SchedulerOutput(
+            decoding, self._decoding_tokens, now, not self._unplain, self._constrained > 0
+        )
+        self._decoding_planned = True
         budget = self._budget - len(decoding)
         budget = self._chunk_prefills(out, budget) if self._prefilling else budget
         if self.slots.num_free and self.waiting:
@@ -326,9 +344,7 @@ class Scheduler:
         if len(tokens) != expected:
             raise ValueError(f"{len(tokens)} tokens for a step that samples {expected}")
         outcome = StepOutcome(out, now)
-        outcome.num_decode_generated = self._apply_decodes(
-            out.decode_seqs, tokens, outcome, result.logprobs
-        )
+        outcome.num_decode_generated = self._apply_decodes(out, tokens, outcome, result.logprobs)
         if out.prefills:
             self._apply_prefills(out, result, outcome)
         self.slots.set_out_of_service(unavailable)
@@ -338,7 +354,7 @@ class Scheduler:
         """The model call for ``out`` failed: end exactly its requests with ``error``."""
         outcome = StepOutcome(out, now, error=error)
         outcome.finished = self._end_all(
-            [seq for seq in out.scheduled() if seq.status is RequestStatus.RUNNING], now, error
+            [seq for seq in out.scheduled() if seq.status is RUNNING], now, error
         )
         return outcome
 
@@ -347,12 +363,22 @@ class Scheduler:
     def _start_decoding(self, seq: Sequence) -> None:
         """``seq`` is past its prefill: it joins the decode list, and unless it needs the full
         end rules for every token, its tokens take the fast path until its last."""
-        decoding = self._decoding.copy()
-        insort(decoding, seq, key=_slot)
-        self._decoding = decoding
+        decoding, tokens = self._decode_lists()
+        index = bisect(decoding, seq.slot, key=_slot)
+        decoding.insert(index, seq)
+        tokens.insert(index, seq.tokens)
         self._unplain += not seq.sampling.plain
         self._constrained += seq.constraint is not None
         seq.fast_until = 0 if seq.slow or seq.constraint is not None else seq.token_limit - 1
+
+    def _decode_lists(self) -> tuple[list[Sequence], list[list[int]]]:
+        """The decode list and its token lists, to be changed in place: copies of them first
+        if a plan carries them."""
+        if self._decoding_planned:
+            self._decoding = self._decoding.copy()
+            self._decoding_tokens = self._decoding_tokens.copy()
+            self._decoding_planned = False
+        return self._decoding, self._decoding_tokens
 
     def _decodes_that_fit(self, now: float) -> list[Sequence]:
         """The decoding requests, with the blocks their tokens need set aside. When the cache
@@ -431,7 +457,7 @@ class Scheduler:
         source = None
         if first and seq.fork_of is not None:  # a fork: planned in the step that admits it,
             origin = seq.fork_of  # while its source decodes (a later copy could read a slot
-            assert origin.status is RequestStatus.RUNNING and not origin.prefilling  # reused)
+            assert origin.status is RUNNING and not origin.prefilling  # reused)
             source = origin.slot
         seq.fork_of = None  # forked (or never to be): it is on its own from now on
         chunk = PrefillChunk(seq.slot, seq.tokens[start : start + size], start, sample,
@@ -443,7 +469,7 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int, now: float) -> int:
         """Move waiting requests into free slots while the budget and the cache allow."""
-        static = self.batching is BatchingPolicy.STATIC
+        static = self._static
         if static and self.slots.occupied:
             return budget
         # Static batching fills every slot at once (later steps prefill what the budget left).
@@ -474,7 +500,7 @@ class Scheduler:
             if loras is not None and seq.lora is not None:
                 self._load_lora(out, seq.lora, loras)
             self.slots.allocate(seq)
-            set_status(seq, RequestStatus.RUNNING)
+            set_status(seq, RUNNING)
             seq.prefilled = start or len(hits) * self.books.block_size
             seq.prefill_target = len(seq.tokens)
             self._free_blocks -= cost
@@ -525,7 +551,7 @@ class Scheduler:
         source = seq.fork_of
         if source is None:
             return 0
-        if source.status is RequestStatus.RUNNING and not source.prefilling:
+        if source.status is RUNNING and not source.prefilling:
             return seq.prompt_len - 1
         seq.fork_of = None
         return 0
@@ -577,22 +603,24 @@ class Scheduler:
 
     def _apply_decodes(
         self,
-        seqs: list[Sequence],
+        out: SchedulerOutput,
         tokens: list[int],
         outcome: StepOutcome,
         logprobs: list[Logprobs | None] | None,
     ) -> int:
         """The hot path: one token for each decoding request. Returns the tokens applied."""
-        finished, now, running = outcome.finished, outcome.ended_at, RequestStatus.RUNNING
+        finished, now = outcome.finished, outcome.ended_at
+        seqs = out.decode_seqs
         skipped = dropped = 0
         # (tokens: then the prefills' tokens) a token needs the end rules if it is a stop token
         # or the request's last, or if the request needs them for every token or has left its
-        # slot (``fast_until``: 0); pairs, not triples with the log probabilities: quicker
+        # slot (``fast_until``: 0); the log probabilities are looked up only for those tokens.
+        # Each request's token list comes from ``decode_inputs`` (the same list as
+        # ``seq.tokens``), walked beside it: an attribute read less per token
         logprob = None if logprobs is None else dict(zip(seqs, logprobs, strict=False)).get
-        for seq, token in zip(seqs, tokens, strict=False):
-            prefix = seq.tokens  # (a local: read once, it saves a fifth of the loop's time)
+        for seq, prefix, token in zip(seqs, out.decode_inputs, tokens, strict=False):
             if token in seq.stop_token_ids or len(prefix) >= seq.fast_until:
-                if seq.status is not running:
+                if seq.status is not RUNNING:
                     skipped += 1  # aborted or preempted while the model ran: token dropped
                 else:
                     dropped += self._append(seq, token, now, finished, logprob and logprob(seq))
@@ -607,13 +635,13 @@ class Scheduler:
         tokens, index, now = result.tokens, len(out.decode_seqs), outcome.ended_at
         for seq, chunk in zip(out.prefill_seqs, out.prefills, strict=True):
             if result.unavailable_slots and not result.ran(chunk):  # its slot could not be
-                if seq.status is RequestStatus.RUNNING:  # reset: back to the queue (no preemption)
-                    was = RequestStatus.PREEMPTED if seq.num_preemptions else RequestStatus.WAITING
+                if seq.status is RUNNING:  # reset: back to the queue (no preemption)
+                    was = PREEMPTED if seq.num_preemptions else WAITING
                     self._requeue(seq, was, now)
                 continue
             token = tokens[index] if chunk.sample else None
             index += chunk.sample
-            if seq.status is not RequestStatus.RUNNING:
+            if seq.status is not RUNNING:
                 continue  # aborted or preempted while the model ran
             seq.prefilled = chunk.start + len(chunk.token_ids)
             if self.prefix_cache is not None:
@@ -626,6 +654,14 @@ class Scheduler:
             self._start_decoding(seq)  # it decodes from the next step on
             if seq.times.first_token is None:
                 seq.times.first_token = now
+            if (  # no end rule applies: the test of ``_apply_decodes``, and no missing token
+                token != NO_TOKEN
+                and token not in seq.stop_token_ids
+                and len(seq.tokens) < seq.fast_until
+            ):
+                seq.tokens.append(token)
+                outcome.num_generated += 1
+                continue
             logprob = None if result.logprobs is None else result.logprobs[index - 1]
             outcome.num_generated += 1 - self._append(seq, token, now, outcome.finished, logprob)
 
@@ -645,13 +681,18 @@ class Scheduler:
         log probabilities) keeps nothing. Returns 1 if the token was left out of the output (a
         stop token, or a token its grammar refused), else 0."""
         if seq.max_tokens == 0:
-            self._finish(seq, FinishReason.LENGTH, now)
+            self._finish(seq, REASON_LENGTH, now)
             finished.append(seq)
             return 1
+        if token == NO_TOKEN and seq.constraint is not None and seq.constraint.stopped:
+            self._finish(seq, FinishReason.STOP, now)  # only EOS could follow, and the request's
+            finished.append(seq)  # bans (min_tokens ...) forbid it: its text is complete
+            return 1
         if token == NO_TOKEN:
-            seq.error = ModelOutputError(
+            seq.error = NoTokenLeftError(  # the client's bans, not a model fault
                 "no token is left to sample: the request's bans (logit_bias, bad_words, "
                 "min_tokens) and allowed_token_ids forbid every token"
+                + (" its grammar allows" if seq.constraint is not None else "")
             )
             self._finish(seq, FinishReason.ERROR, now)
             finished.append(seq)
@@ -662,7 +703,7 @@ class Scheduler:
             finished.append(seq)
             return 1
         if token in seq.stop_token_ids and seq.num_generated >= seq.sampling.min_tokens:
-            reason = FinishReason.STOP
+            reason = REASON_STOP
             seq.stop_token = token
             if not seq.include_stop:
                 self._finish(seq, reason, now)
@@ -676,11 +717,11 @@ class Scheduler:
             if seq.logprobs is not None:
                 seq.logprobs.append(logprob)
             if seq.stop is not None and seq.stop.feed([token]):
-                reason = FinishReason.STOP
+                reason = REASON_STOP
             elif len(seq.tokens) >= seq.token_limit:
-                reason = FinishReason.LENGTH
+                reason = REASON_LENGTH
             elif seq.constraint is not None and seq.constraint.finished:
-                reason = FinishReason.STOP  # its grammar ended on a token that is no stop token
+                reason = REASON_STOP  # its grammar ended on a token that is no stop token
             else:
                 return 0
         self._finish(seq, reason, now)
@@ -700,12 +741,12 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: FinishReason, now: float) -> None:
         if self.policy is not None:
             self.policy.on_finished(seq)
-        if seq.status is RequestStatus.RUNNING:
+        if seq.status is RUNNING:
             if seq.remote_decode and reason is FinishReason.LENGTH:  # its KV waits for a pull
                 blocks = self.books.blocks_for(seq.prompt_len)
                 seq.held = self.holds.hold(seq.request_id, blocks, seq.prompt_len, now).block_ids
             self._leave_slot(seq)
-        set_status(seq, RequestStatus.FINISHED, reason, now)
+        set_status(seq, FINISHED, reason, now)
 
     def _requeue(self, seq: Sequence, status: RequestStatus, now: float) -> None:
         """Back to the queue (its front, unless the policy says its back), to be recomputed
@@ -726,9 +767,9 @@ class Scheduler:
             self._prefilling.remove(seq)
             self._unstarted.discard(seq.request_id)
         else:  # it leaves the decode list
-            decoding = self._decoding.copy()
-            decoding.remove(seq)
-            self._decoding = decoding
+            decoding, tokens = self._decode_lists()
+            index = decoding.index(seq)
+            del decoding[index], tokens[index]
             self._unplain -= not seq.sampling.plain
             self._constrained -= seq.constraint is not None
             seq.fast_until = 0
@@ -746,7 +787,7 @@ def set_status(
     its end time ``now``, and its grammar state is freed. Outside a scheduler, only a request
     no scheduler holds is ended here (an injected failure, the engine's last resort)."""
     seq.status = status
-    if status is RequestStatus.FINISHED:
+    if status is FINISHED:
         seq.finish_reason = reason
         seq.constraint = None
         seq.times.finished = now
@@ -754,7 +795,7 @@ def set_status(
 
 def _forks_a_running_request(seq: Sequence) -> bool:
     source = seq.fork_of
-    return source is not None and source.status is RequestStatus.RUNNING
+    return source is not None and source.status is RUNNING
 
 
 def _store_prompt_logprobs(seq: Sequence, found: tuple[int, list[Logprobs]] | None) -> None:

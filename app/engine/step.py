@@ -10,9 +10,12 @@ place a request's tokens and state change after a model call.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter, countOf
 
 from app.engine.types import Sequence
 from app.models.protocol import Logprobs, PrefillChunk
+
+_SAMPLE = attrgetter("sample")
 
 
 @dataclass(slots=True)
@@ -21,8 +24,9 @@ class SchedulerOutput:
 
     - ``decode_seqs``: running requests past their prefill, in slot order; each is fed its last
       generated token (``decode_tokens[i]``, read when first asked for: a stateless model never
-      needs it) and gets one new token. The list is shared between steps while it does not
-      change: never modify it.
+      needs it) and gets one new token. ``decode_inputs[i]`` is ``decode_seqs[i].tokens`` (the
+      same list: what a stateless model reads). Both lists are shared between steps while they
+      do not change: never modify them.
     - ``prefill_seqs[i]`` is fed ``prefills[i]``: a chunk of its prompt (or, after a preemption,
       of prompt + generated tokens) starting at ``prefills[i].start`` (0: the slot's cache starts
       fresh); a chunk with ``sample`` set completes the prefill and gets one new token.
@@ -38,21 +42,28 @@ class SchedulerOutput:
     """
 
     decode_seqs: list[Sequence]
+    decode_inputs: list[list[int]]
     started_at: float = 0.0
     decodes_plain: bool = True  # every decode request samples plainly (``SamplingParams``)
     decodes_constrained: bool = False  # a decode request has a grammar
-    prefill_seqs: list[Sequence] = field(default_factory=list)
-    prefills: list[PrefillChunk] = field(default_factory=list)
-    released: list[int] = field(default_factory=list)
-    admitted: list[Sequence] = field(default_factory=list)
-    resumed: list[Sequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
     num_prefill_tokens: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
     remote_tokens: int = 0  # prompt tokens of admitted requests whose KV a producer sent
     lora_loads: int = 0  # LoRA adapters loaded into the batch's adapter slots in this step
     _decode_tokens: list[int] | None = None
+    # filled by the scheduler as it plans the step (made empty in ``__post_init__``: list
+    # literals cost half what six ``default_factory`` calls do, and one is built every step)
+    prefill_seqs: list[Sequence] = field(init=False)
+    prefills: list[PrefillChunk] = field(init=False)
+    released: list[int] = field(init=False)
+    admitted: list[Sequence] = field(init=False)
+    resumed: list[Sequence] = field(init=False)
+    preempted: list[Sequence] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prefill_seqs, self.prefills, self.released = [], [], []
+        self.admitted, self.resumed, self.preempted = [], [], []
 
     @property
     def decode_tokens(self) -> list[int]:
@@ -67,7 +78,7 @@ class SchedulerOutput:
     @property
     def num_outputs(self) -> int:
         """Tokens the model must return: one per decode, one per sampling prefill chunk."""
-        return len(self.decode_seqs) + [chunk.sample for chunk in self.prefills].count(True)
+        return len(self.decode_seqs) + countOf(map(_SAMPLE, self.prefills), True)
 
     @property
     def empty(self) -> bool:

@@ -37,6 +37,10 @@ class FinishReason(StrEnum):
     ERROR = "error"  # a model call that included this request failed
 
 
+# The reasons the scheduler's step gives, as module globals (see the statuses below)
+REASON_STOP, REASON_LENGTH = FinishReason.STOP, FinishReason.LENGTH
+
+
 class RequestStatus(IntEnum):
     """Where a request is. Ordered: a status >= ``FINISHED`` means it has ended (its
     ``finish_reason`` says why). Only the scheduler changes it."""
@@ -45,6 +49,17 @@ class RequestStatus(IntEnum):
     RUNNING = 1  # holds a slot: prefilling (possibly over several steps) or decoding
     PREEMPTED = 2  # was running, gave its slot back, queued to be recomputed and resumed
     FINISHED = 3
+
+
+# The statuses as plain module globals, for the hot paths (the scheduler's step, the properties
+# below): on CPython 3.11 every ``RequestStatus.RUNNING`` is looked up through
+# ``EnumType.__getattr__``, about a thousand machine instructions; a global costs a few.
+WAITING, RUNNING, PREEMPTED, FINISHED = (
+    RequestStatus.WAITING,
+    RequestStatus.RUNNING,
+    RequestStatus.PREEMPTED,
+    RequestStatus.FINISHED,
+)
 
 
 class StopCondition(Protocol):
@@ -94,6 +109,11 @@ class TokenConstraint(Protocol):
         """The grammar has ended: nothing more may be generated."""
         ...
 
+    @property
+    def stopped(self) -> bool:
+        """The grammar's text is complete: only EOS may follow (then it is ``finished``)."""
+        ...
+
 
 @dataclass(slots=True)
 class Timestamps:
@@ -139,7 +159,7 @@ class Sequence:
     fork_of: Sequence | None = field(default=None, repr=False)
     prompt_len: int = 0
     token_limit: int = 0  # len(tokens) at which max_tokens is reached
-    status: RequestStatus = RequestStatus.WAITING
+    status: RequestStatus = WAITING
     prefilled: int = 0
     prefill_target: int = 0
     num_preemptions: int = 0
@@ -161,7 +181,7 @@ class Sequence:
     # of prompt token p (None at 0, which has none), filled as the prefill runs
     logprobs: list[Logprobs | None] | None = None
     prompt_logprobs: list[Logprobs | None] | None = None
-    # every token goes through the full end rules (stop strings, min_tokens, log probabilities)
+    # every token goes through the full end rules (stop strings, log probabilities, bans)
     slow: bool = False
     # set by the scheduler while it decodes: below this ``len(tokens)``, a token that is no stop
     # token needs no end rule (0: every token does)
@@ -178,11 +198,15 @@ class Sequence:
         self.prompt_len = len(self.tokens)
         self.token_limit = self.prompt_len + self.max_tokens
         sampling = self.sampling
+        if sampling is DEFAULT_SAMPLING:  # the usual case: nothing asked beyond a token
+            self.slow = self.stop is not None
+            return
         if sampling.logprobs is not None:
             self.logprobs = []
         if sampling.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
-        self.slow = self.stop is not None or sampling.min_tokens > 0 or self.logprobs is not None
+        # bans (min_tokens' too) may leave the model no token to sample: it answers NO_TOKEN
+        self.slow = self.stop is not None or self.logprobs is not None or sampling.constrains_choice
 
     @property
     def prompt_logprobs_done(self) -> bool:
@@ -210,7 +234,7 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         """Running and not yet through its prefill (no token sampled since admission)."""
-        return self.status is RequestStatus.RUNNING and self.prefilled < self.prefill_target
+        return self.status is RUNNING and self.prefilled < self.prefill_target
 
     @property
     def awaits_fork(self) -> bool:
@@ -220,12 +244,12 @@ class Sequence:
         if source is None:
             return False
         status = source.status
-        waiting = status is RequestStatus.WAITING or status is RequestStatus.PREEMPTED
+        waiting = status is WAITING or status is PREEMPTED
         return waiting or source.prefilling
 
     @property
     def num_computed_tokens(self) -> int:
-        if self.status is not RequestStatus.RUNNING:
+        if self.status is not RUNNING:
             return 0
         if self.prefilled < self.prefill_target:
             return self.prefilled

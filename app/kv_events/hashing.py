@@ -22,7 +22,6 @@ import cbor2
 from app.engine.prefix_cache import CachedBlock
 
 HashAlgo = Literal["sha256", "sha256_cbor"]
-HASH_ALGOS: tuple[HashAlgo, ...] = ("sha256", "sha256_cbor")
 INT64_MASK = (1 << 64) - 1
 
 

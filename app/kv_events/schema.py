@@ -59,39 +59,25 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
-class MapKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    """Base class of the map-encoded events (tagged by the ``type`` key)."""
-
-
-class MapBlockStored(MapKVCacheEvent, tag="BlockStored"):
-    block_hashes: list[ExternalBlockHash]
-    parent_block_hash: ExternalBlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
+# The map layouts: the same events and fields, encoded as maps tagged by the ``type`` key (the
+# class name, as above); ``MapBlockStored`` adds vLLM's ``extra_keys``.
+class MapBlockStored(BlockStored, array_like=False, tag="BlockStored"):
     extra_keys: list[tuple[str] | None] | None = None  # per block: None or (lora_name,)
 
 
-class MapBlockRemoved(MapKVCacheEvent, tag="BlockRemoved"):
-    block_hashes: list[ExternalBlockHash]
-    medium: str | None
-
-
-class MapAllBlocksCleared(MapKVCacheEvent, tag="AllBlocksCleared"):
+class MapBlockRemoved(BlockRemoved, array_like=False, tag="BlockRemoved"):
     pass
 
 
-class MapEventsBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class MapAllBlocksCleared(AllBlocksCleared, array_like=False, tag="AllBlocksCleared"):
+    pass
+
+
+class MapEventsBatch(EventBatch):
     """vLLM 0.24-0.26's batch: an array ``[ts, [map events], data_parallel_rank]``."""
 
-    ts: float
     events: list[MapBlockStored | MapBlockRemoved | MapAllBlocksCleared]
-    data_parallel_rank: int | None = None
 
 
-class MapKVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
-    ts: float
-    events: list[MapBlockStored | MapBlockRemoved | MapAllBlocksCleared]
-    data_parallel_rank: int | None = None
+class MapKVEventBatch(MapEventsBatch, array_like=False):
+    """vLLM main's batch: a map ``{"ts", "events", "data_parallel_rank"}``."""

@@ -38,26 +38,24 @@ def check_intent(config: KVTransferConfig | None, raw: Any) -> TransferIntent | 
     intent = parse_transfer_params(raw, FIELD)
     if intent is None:
         return None
-    flag = "do_remote_decode" if intent.remote_decode else "do_remote_prefill"
+    param = f"{FIELD}.{'do_remote_decode' if intent.remote_decode else 'do_remote_prefill'}"
     if config is None:
-        raise TransferParamsError(
-            f"{FIELD}.{flag} needs a server started with --kv-transfer-config "
-            "(prefill/decode disaggregation is off here)",
-            f"{FIELD}.{flag}",
+        problem = (
+            " needs a server started with --kv-transfer-config (prefill/decode disaggregation "
+            "is off here)"
         )
-    if intent.remote_decode and not config.produces:
-        raise TransferParamsError(
-            f"{FIELD}.do_remote_decode: this server is a kv_consumer (it decodes, it does not "
-            "prefill for another server)",
-            f"{FIELD}.do_remote_decode",
+    elif intent.remote_decode and not config.produces:
+        problem = (
+            ": this server is a kv_consumer (it decodes, it does not prefill for another server)"
         )
-    if intent.remote_prefill is not None and not config.consumes:
-        raise TransferParamsError(
-            f"{FIELD}.do_remote_prefill: this server is a kv_producer (it prefills for another "
-            "server, it does not decode a remote prefill)",
-            f"{FIELD}.do_remote_prefill",
+    elif intent.remote_prefill is not None and not config.consumes:
+        problem = (
+            ": this server is a kv_producer (it prefills for another server, it does not decode "
+            "a remote prefill)"
         )
-    return intent
+    else:
+        return intent
+    raise TransferParamsError(param + problem, param)
 
 
 def kv_bytes_per_token(settings: Settings) -> int:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from app.models.mock import MockBase
 from app.models.mock_language import MockLanguage
 from app.models.mock_sampling import choose, prompt_logprobs, synthetic
@@ -63,8 +61,7 @@ class CachedMockModel(MockBase):
             cache.append(token)
             out.append(next_token(cache))
         for chunk in batch.prefills:
-            self._check_fork(chunk)
-            cache = self._prefill(chunk.slot, chunk.token_ids, chunk.start, chunk.prefix)
+            cache = self._prefill(chunk)
             if chunk.sample:
                 out.append(next_token(cache))
         return out
@@ -82,9 +79,10 @@ class CachedMockModel(MockBase):
                 f"does not hold its {chunk.start}-token prefix"
             )
 
-    def _prefill(
-        self, slot: int, tokens: list[int], start: int, prefix: Sequence[int]
-    ) -> list[int]:
+    def _prefill(self, chunk: PrefillChunk) -> list[int]:
+        """Feed ``chunk`` to its slot's cache (checked: see the class); returns the cache."""
+        self._check_fork(chunk)
+        slot, start, prefix = chunk.slot, chunk.start, chunk.prefix
         cache = self._cache[slot]
         if start == len(prefix):  # a fresh slot (with a cached prefix when start > 0)
             if cache is not None:
@@ -93,7 +91,7 @@ class CachedMockModel(MockBase):
         elif cache is None or len(cache) != start:
             held = 0 if cache is None else len(cache)
             raise SlotReuseError(f"slot {slot}: chunk starts at {start}, cache holds {held}")
-        cache.extend(tokens)
+        cache.extend(chunk.token_ids)
         return cache
 
     def step_sampled(self, batch: StepBatch) -> StepResult:
@@ -111,8 +109,7 @@ class CachedMockModel(MockBase):
             history = batch.decode_histories[i] if batch.decode_histories else None
             self._sample(cache, params, history, result.tokens, logprobs)
         for chunk in batch.prefills:
-            self._check_fork(chunk)
-            cache = self._prefill(chunk.slot, chunk.token_ids, chunk.start, chunk.prefix)
+            cache = self._prefill(chunk)
             self._prompt_logprobs(chunk, prompts)
             if chunk.sample:
                 self._sample(cache, chunk.sampling, chunk.history, result.tokens, logprobs)

@@ -66,10 +66,6 @@ class SamplingParams:
         object.__setattr__(self, "plain", plain)
 
     @property
-    def is_default(self) -> bool:
-        return self == DEFAULT_SAMPLING
-
-    @property
     def processes_logits(self) -> bool:
         """Whether a logits processor applies to this request (penalties, bias, bans, ...)."""
         return (
@@ -77,9 +73,7 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.repetition_penalty != 1.0
             or bool(self.logit_bias)
-            or self.min_tokens > 0
-            or bool(self.bad_words)
-            or self.allowed_token_ids is not None
+            or self.constrains_choice  # min_tokens, bad words, an allow-list
         )
 
     @property
@@ -230,11 +224,6 @@ class StepBatch:
     def num_outputs(self) -> int:
         return len(self.decode_slots) + sum(1 for chunk in self.prefills if chunk.sample)
 
-    @property
-    def num_tokens(self) -> int:
-        """Tokens processed in this step (decode tokens + prefill chunk tokens)."""
-        return len(self.decode_slots) + sum(len(chunk.token_ids) for chunk in self.prefills)
-
 
 @runtime_checkable
 class StatelessModel(Protocol):
@@ -271,9 +260,7 @@ def supports_prefix_caching(model: object) -> bool:
     """Whether ``model`` takes prefill chunks that start after a cached ``prefix`` (an optional
     class attribute ``supports_prefix_caching = True``). A stateless model always does: it is
     fed each sequence's whole prefix anyway."""
-    if isinstance(model, CachedModel):
-        return getattr(model, "supports_prefix_caching", False) is True
-    return isinstance(model, StatelessModel)
+    return _declares(model, "supports_prefix_caching")
 
 
 def shares_prompts(model: object) -> bool:
@@ -282,8 +269,14 @@ def shares_prompts(model: object) -> bool:
     model can (it is fed whole prefixes); a cached model must declare ``copies_slots = True``
     (it copies the key/values between slots: a fork's prefix ends mid-block, so no prefix
     cache holds all of it)."""
+    return _declares(model, "copies_slots")
+
+
+def _declares(model: object, attribute: str) -> bool:
+    """For a cached model, whether its class sets the optional ``attribute`` to True; a
+    stateless model can do what these attributes declare."""
     if isinstance(model, CachedModel):
-        return getattr(model, "copies_slots", False) is True
+        return getattr(model, attribute, False) is True
     return isinstance(model, StatelessModel)
 
 

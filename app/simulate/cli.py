@@ -36,8 +36,9 @@ from app.step_time.physics import (
     DEFAULT_CALIBRATION,
     PhysicsStepTime,
     kv_cache_tokens,
-    no_kv_room,
+    require_kv_room,
 )
+from app.step_time.settings import only_with_model_config
 
 DEFAULT_VOCAB = 32000  # token ids of a linear profile's workload (only their equality matters)
 
@@ -120,13 +121,8 @@ def _setup(args: argparse.Namespace) -> tuple[StepTimeModel, SchedulerConfig, Ov
     checks.number(args.gpu_memory_utilization, "--gpu-memory-utilization", above=0, maximum=1)
     checks.positive(args.client_timeout, "--client-timeout")
     if args.profile is not None:
-        flags = [f for f, v in (("--gpu", args.gpu), ("--tensor-parallel-size",
-                 args.tensor_parallel_size)) if v is not None]  # fmt: skip
-        if flags:
-            raise ValueError(
-                f"{' and '.join(flags)} "
-                f"{'apply' if len(flags) > 1 else 'applies'} only with --model-config"
-            )
+        only_with_model_config([f for f, v in (("--gpu", args.gpu), ("--tensor-parallel-size",
+                                args.tensor_parallel_size)) if v is not None])  # fmt: skip
         from app.profiles import PROFILE_LIMITS, PROFILES
 
         if args.profile not in PROFILES:
@@ -151,9 +147,8 @@ def _setup(args: argparse.Namespace) -> tuple[StepTimeModel, SchedulerConfig, Ov
         vocab = shape.vocab
         cal = DEFAULT_CALIBRATION
         overheads = Overheads(cal.api_ms / 1000, cal.post_ms / 1000)
-        problem = no_kv_room(kv, args.block_size, shape, device, tp, args.gpu_memory_utilization)
-        if problem is not None and args.kv_cache_tokens is None:
-            raise ValueError(problem)
+        if args.kv_cache_tokens is None:
+            require_kv_room(kv, args.block_size, shape, device, tp, args.gpu_memory_utilization)
     if args.kv_cache_tokens is not None:
         kv = args.kv_cache_tokens
     if kv < args.block_size:

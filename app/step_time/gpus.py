@@ -21,17 +21,8 @@ class Gpu:
     link_gb_s: float
 
     @property
-    def flops(self) -> float:
-        """bf16 FLOP/s."""
-        return self.bf16_tflops * 1e12
-
-    @property
     def bytes_per_s(self) -> float:
         return self.hbm_tb_s * 1e12
-
-    @property
-    def memory_bytes(self) -> float:
-        return self.memory_gb * 1e9
 
     @property
     def link_bytes_per_s(self) -> float:

@@ -112,11 +112,10 @@ class ModelShape:
 
 def _field(config: dict[str, Any], name: str, where: str, *aliases: str) -> int:
     """A required positive integer field (or the first of its aliases present)."""
-    for key in (name, *aliases):
-        value = config.get(key)
-        if value is not None:
-            return integer(value, f"{where}: {key}", ModelConfigError, minimum=1)
-    raise ModelConfigError(f"{where}: missing {name!r}, which the step time needs")
+    value = _optional(config, where, name, *aliases)
+    if value is None:
+        raise ModelConfigError(f"{where}: missing {name!r}, which the step time needs")
+    return value
 
 
 def _optional(config: dict[str, Any], where: str, *keys: str, minimum: int = 1) -> int | None:

@@ -195,21 +195,21 @@ def kv_cache_tokens(
     return max(0, int(free // model.kv_bytes_per_token(p)))
 
 
-def no_kv_room(
+def require_kv_room(
     tokens: int,
     block_size: int,
     model: ModelShape,
     gpu: Gpu,
     tensor_parallel: int,
     utilization: float = GPU_MEMORY_UTILIZATION,
-) -> str | None:
-    """Why ``tokens`` of KV capacity (``kv_cache_tokens``) cannot serve ``model``: fewer than
-    one ``block_size`` block; the line names the model, the GPU's memory and the
-    tensor-parallel size. ``None``: there is room."""
+) -> None:
+    """``ValueError`` if ``tokens`` of KV capacity (``kv_cache_tokens``) cannot serve ``model``:
+    fewer than one ``block_size`` block; the line names the model, the GPU's memory and the
+    tensor-parallel size."""
     if tokens >= block_size:
-        return None
+        return
     per_gpu = model.weight_bytes / tensor_parallel / GIB
-    return (
+    raise ValueError(
         f"no room for a KV cache: {model.name}'s weights take {per_gpu:.1f} GiB on each of "
         f"{tensor_parallel} x {gpu.name} ({gpu.memory_gb:g} GiB each, {utilization:.0%} "
         f"usable), leaving {tokens} KV tokens, less than one {block_size}-token block; try "

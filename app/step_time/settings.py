@@ -13,7 +13,7 @@ from typing import Any
 
 from app.step_time.gpus import UnknownGpuError, gpu
 from app.step_time.model_config import ModelConfigError, ModelShape, load_model_config
-from app.step_time.physics import PhysicsStepTime, kv_cache_tokens, no_kv_room
+from app.step_time.physics import PhysicsStepTime, kv_cache_tokens, require_kv_room
 
 
 def load_shape(path: str | Path, gpu_name: str, tensor_parallel: int) -> ModelShape:
@@ -28,6 +28,14 @@ def load_shape(path: str | Path, gpu_name: str, tensor_parallel: int) -> ModelSh
     return shape
 
 
+def only_with_model_config(flags: list[str]) -> None:
+    """``ValueError`` naming ``flags``, the flags given that apply only with --model-config
+    (none: nothing to say)."""
+    if flags:
+        verb = "apply" if len(flags) > 1 else "applies"
+        raise ValueError(f"{' and '.join(flags)} {verb} only with --model-config")
+
+
 def physics_presets(
     shape: ModelShape,
     gpu_name: str,
@@ -36,13 +44,11 @@ def physics_presets(
     block_size: int = 16,
 ) -> dict[str, Any]:
     """Settings values for the fields not in ``chosen`` (the user's), given those that are;
-    ``ValueError`` if the weights leave no room for a KV cache (``physics.no_kv_room``) and
+    ``ValueError`` if the weights leave no room for a KV cache (``physics.require_kv_room``) and
     the user set no ``kv_cache_tokens``."""
     from app.profiles import PROFILE_LIMITS
 
-    presets: dict[str, Any] = {"enable_prefix_caching": True}
-    for name, value in PROFILE_LIMITS.items():
-        presets[name] = value
+    presets: dict[str, Any] = {"enable_prefix_caching": True, **PROFILE_LIMITS}
     if shape.max_position is not None:
         presets["max_model_len"] = shape.max_position
     merged = presets | chosen
@@ -50,9 +56,8 @@ def physics_presets(
     kv = kv_cache_tokens(
         shape, device, tensor_parallel, merged["max_num_batched_tokens"], merged["num_slots"]
     )
-    problem = no_kv_room(kv, block_size, shape, device, tensor_parallel)
-    if problem is not None and "kv_cache_tokens" not in chosen:
-        raise ValueError(problem)  # (0 would mean "unset": unlimited KV)
+    if "kv_cache_tokens" not in chosen:  # (0 would mean "unset": unlimited KV)
+        require_kv_room(kv, block_size, shape, device, tensor_parallel)
     presets["kv_cache_tokens"] = kv
     return {k: v for k, v in presets.items() if k not in chosen}
 

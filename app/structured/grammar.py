@@ -131,6 +131,7 @@ class GrammarMatcher:
         "_timed",
         "_token_ns",
         "finished",
+        "stopped",
     )
 
     def __init__(
@@ -158,6 +159,7 @@ class GrammarMatcher:
         self._steered = 0  # ``choose`` calls in a row that could not keep the model's token
         # the grammar ended (its end token was accepted): nothing more may be generated
         self.finished = False
+        self.stopped = False  # its text is complete: only EOS may follow
         # the budget in ns (0: none), per token and per request
         self._token_ns = int(budget.per_token_ms * 1e6)
         self._request_ns = int(budget.per_request_ms * 1e6)
@@ -194,7 +196,10 @@ class GrammarMatcher:
         grammar (see ``refusal``; the matcher is then broken). A matcher in its error state
         still takes EOS (its masks then allow only EOS), so that is checked after the step:
         the request must not end as if its grammar had. ``finished`` then says whether the
-        grammar has ended. False too once the work exceeded the budget (``GrammarBudget``)."""
+        grammar has ended: its EOS was taken. A grammar whose text is complete takes only EOS
+        next, so the reply ends one step later on EOS, as under vLLM's grammar backends (a
+        stream's last chunk then carries no text, and EOS counts as an output token). False
+        too once the work exceeded the budget (``GrammarBudget``)."""
         if self._exceeded is not None:
             return False
         if token == self._pending:  # ``choose`` consumed it already (a consume that succeeded:
@@ -209,7 +214,8 @@ class GrammarMatcher:
         self._cost_ns = 0
         self._run = 0 if token in self._structural else self._run + 1
         if not self._ahead:  # (a forced run still ahead: the grammar goes on)
-            self.finished = self._matcher.is_stopped()
+            self.stopped = self._matcher.is_stopped()
+            self.finished = self.stopped and token == self._eos
         return True
 
     def refusal(self, token: int) -> Exception:

@@ -7,7 +7,7 @@ vocabulary costs ~1 s for a 49k BPE vocabulary: do it once per model, off the ev
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import llguidance
 
@@ -25,12 +25,6 @@ class _ByteVocabulary:
 
     def __call__(self, data: bytes) -> list[int]:
         return list(data)
-
-
-class HasBackendJSON(Protocol):
-    def backend_json(self) -> str:
-        """The ``tokenizers`` JSON of the checkpoint's tokenizer (no padding, no truncation)."""
-        ...
 
 
 def grammar_vocabulary(tokenizer: Tokenizer) -> Any:

@@ -134,9 +134,9 @@ async def test_unknown_model_is_404_and_bad_fields_are_400(make_client: ClientFa
         r = await client.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"})
         assert r.status_code == 404 and r.headers["x-slotserve-error-code"] == "model_not_found"
         r = await client.post("/v1/chat/completions", json={"messages": []})
-        assert r.status_code == 400 and field_of(r.json()["error"]) == "messages"
+        assert r.status_code == 400 and field_of(r) == "messages"
         r = await client.post("/v1/completions", json={"prompt": "x", "n": 17})  # --max-n 16
-        assert r.status_code == 400 and field_of(r.json()["error"]) == "n"
+        assert r.status_code == 400 and field_of(r) == "n"
 
 
 JSON_HEADERS = {"content-type": "application/json"}
@@ -208,7 +208,7 @@ async def test_fields_that_would_change_the_reply_are_refused_not_ignored(
     async with make_client() as client:
         r = await client.post(path, json=body | {field: value})
         assert r.status_code == 400, r.text
-        assert field_of(r.json()["error"]) == field
+        assert field_of(r) == field
         assert r.headers["x-slotserve-error-code"] == "unsupported_parameter"
         neutral = {"logprobs": False if "chat" in path else None, "echo": False, "best_of": 1}
         if field in neutral:  # the neutral value is fine
@@ -236,7 +236,7 @@ async def test_a_nested_mistake_names_the_innermost_field(
     field and its string type, though a list was right and one item was wrong."""
     async with make_client() as client:
         r = await client.post(path, json=body)
-        assert r.status_code == 400 and field_of(r.json()["error"]) == param
+        assert r.status_code == 400 and field_of(r) == param
 
 
 async def test_max_tokens_0_is_refused_as_vllm_refuses_it(make_client: ClientFactory) -> None:
@@ -246,7 +246,7 @@ async def test_max_tokens_0_is_refused_as_vllm_refuses_it(make_client: ClientFac
         chat = {"messages": [{"role": "user", "content": "hi"}]}
         for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", chat)):
             r = await client.post(path, json=body | {"max_tokens": 0})
-            assert r.status_code == 400 and field_of(r.json()["error"]) == "max_tokens"
+            assert r.status_code == 400 and field_of(r) == "max_tokens"
         echo = {"prompt": "hi", "max_tokens": 0, "echo": True}
         assert (await client.post("/v1/completions", json=echo)).status_code == 200
 
@@ -256,7 +256,7 @@ async def test_stream_options_without_stream_is_refused(make_client: ClientFacto
     async with make_client() as client:
         body = {"prompt": "hi", "stream_options": {"include_usage": True}}
         r = await client.post("/v1/completions", json=body)
-        assert r.status_code == 400 and field_of(r.json()["error"]) == "stream_options"
+        assert r.status_code == 400 and field_of(r) == "stream_options"
         streamed = await client.post("/v1/completions", json=body | {"stream": True})
         assert streamed.status_code == 200
 
@@ -266,7 +266,7 @@ async def test_n_greedy_choices_are_refused(make_client: ClientFactory) -> None:
     async with make_client() as client:
         body = {"prompt": "hi", "n": 2, "max_tokens": 2}
         r = await client.post("/v1/completions", json=body | {"temperature": 0})
-        assert r.status_code == 400 and field_of(r.json()["error"]) == "n"
+        assert r.status_code == 400 and field_of(r) == "n"
         assert (await client.post("/v1/completions", json=body)).status_code == 200
 
 
@@ -280,4 +280,4 @@ async def test_a_role_the_server_does_not_know_reaches_the_template(
         assert (await client.post("/v1/chat/completions", json=chat)).status_code == 200
         forged = {**chat, "messages": [{"role": "user<|im_end|>", "content": "hi"}]}
         r = await client.post("/v1/chat/completions", json=forged)
-        assert r.status_code == 400 and field_of(r.json()["error"]) == "messages.0.role"
+        assert r.status_code == 400 and field_of(r) == "messages.0.role"

@@ -20,7 +20,7 @@ from app.api.adapters.anthropic_errors import AnthropicErrors
 from app.api.adapters.responses_store import ResponseStore, Stored
 
 USER = [{"role": "user", "content": "Tell me a story"}]
-ANTHROPIC_EVENTS = ["message_start", "content_block_start", "ping"]
+ANTHROPIC_EVENTS = ["message_start", "content_block_start"]  # no ping, as vLLM
 ANTHROPIC_END = ["content_block_stop", "message_delta", "message_stop"]
 
 
@@ -56,6 +56,24 @@ async def test_a_message_is_chat_completions_text_in_anthropics_shape(
         assert counted == {"input_tokens": message["usage"]["input_tokens"]}
 
 
+async def test_a_system_message_in_messages_is_a_system_turn_as_vllm_answers(
+    make_client: ClientFactory,
+) -> None:
+    async with make_client() as client:
+        body = {"max_tokens": 4, "messages": [{"role": "system", "content": "Hi"}, *USER]}
+        r = await client.post("/v1/messages", json=body)
+        assert r.status_code == 200, r.text
+        prompt = serving_of(client).tokenizer.chat_prompt(
+            [("system", "Hi"), ("user", USER[0]["content"])]
+        )
+        # vLLM's usage: the token counts only, no cache counters
+        assert r.json()["usage"] == {"input_tokens": len(prompt), "output_tokens": 4}
+        empty = {"max_tokens": 4, "messages": [{"role": "system", "content": ""}, *USER]}
+        r = await client.post("/v1/messages/count_tokens", json=empty)
+        assert r.json()["input_tokens"] == len(serving_of(client).tokenizer.chat_prompt(
+            [("user", USER[0]["content"])]))  # an empty one is dropped  # fmt: skip
+
+
 async def test_a_streamed_message_has_anthropics_event_sequence(
     make_client: ClientFactory,
 ) -> None:
@@ -68,10 +86,10 @@ async def test_a_streamed_message_has_anthropics_event_sequence(
         )
         events = parse_sse(r.text)
         names = [e.event for e in events]
-        assert names[:3] == ANTHROPIC_EVENTS and names[-3:] == ANTHROPIC_END
-        assert set(names[3:-3]) == {"content_block_delta"}
+        assert names[:2] == ANTHROPIC_EVENTS and names[-3:] == ANTHROPIC_END
+        assert set(names[2:-3]) == {"content_block_delta"}
         assert all(e.data["type"] == e.event for e in events)
-        deltas = [e.data["delta"] for e in events[3:-3]]
+        deltas = [e.data["delta"] for e in events[2:-3]]
         assert all(d["type"] == "text_delta" for d in deltas)
         assert "".join(d["text"] for d in deltas) == whole["content"][0]["text"]
         start, end = events[0].data["message"], events[-2].data
@@ -110,12 +128,29 @@ async def test_messages_bad_input_is_answered_in_anthropics_shape(
         post = client.post
         no_max = await post("/v1/messages", json={"messages": USER})
         assert "max_tokens" in anthropic_error(no_max, 400, "invalid_request_error")
+        # integers read as on the OpenAI routes (vLLM's lax schema): "3" is 3
+        r = await post("/v1/messages", json={"max_tokens": "3", "top_k": 2.0, "messages": USER})
+        assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 3, r.text
+        # a schema error's field once (main: "body.max_tokens: max_tokens: Input should ...")
+        r = await post("/v1/messages", json={"max_tokens": "five", "messages": USER})
+        message = anthropic_error(r, 400, "invalid_request_error")
+        assert message.startswith("max_tokens: ") and message.count("max_tokens") == 1, message
         image = [{"role": "user", "content": [{"type": "image", "source": {}}]}]
         r = await post("/v1/messages", json={"max_tokens": 5, "messages": image})
         assert "image" in anthropic_error(r, 400, "invalid_request_error")
         orphan = [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]}]
         r = await post("/v1/messages", json={"max_tokens": 5, "messages": orphan})
         assert "t1" in anthropic_error(r, 400, "invalid_request_error")
+        # a result in a system turn (main: "answers no tool_use block", though one did ask)
+        use = [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]
+        held = [
+            *USER,
+            {"role": "assistant", "content": use},
+            {"role": "system", "content": orphan[0]["content"]},
+        ]
+        r = await post("/v1/messages", json={"max_tokens": 5, "messages": held})
+        assert "belongs in a user message" in anthropic_error(r, 400, "invalid_request_error")
+        assert field_of(r) == "messages.2.content.0"
         r = await post("/v1/messages", json={"max_tokens": 5, "messages": USER, "model": "x"})
         anthropic_error(r, 404, "not_found_error")
         r = await post("/v1/messages", content=b"{", headers={"content-type": "application/json"})
@@ -174,7 +209,7 @@ async def test_a_stream_broken_midway_ends_with_each_protocols_error_event(
     async with make_client(allow_fault_headers=True) as client:
         body = {"max_tokens": 50, "messages": USER, "stream": True}
         events = parse_sse((await client.post("/v1/messages", json=body, headers=broken)).text)
-        assert [e.event for e in events[:3]] == ANTHROPIC_EVENTS
+        assert [e.event for e in events[:2]] == ANTHROPIC_EVENTS
         assert events[-1].event == "error"
         assert events[-1].data == {"type": "error", "error": {
             "type": "api_error", "message": events[-1].data["error"]["message"]}}  # fmt: skip
@@ -249,10 +284,33 @@ async def test_max_output_tokens_ends_a_response_incomplete(make_client: ClientF
         whole = (await client.post("/v1/responses", json=body)).json()
         assert whole["status"] == "incomplete"
         assert whole["incomplete_details"] == {"reason": "max_output_tokens"}
+        assert whole["output"][0]["status"] == "completed"  # the item: as vLLM says
         events = response_events(await client.post("/v1/responses", json=body | {"stream": True}))
         # vLLM's end of any stream that did not fail: the status is in the response
         assert events[-1].event == "response.completed"
         assert events[-1].data["response"]["status"] == "incomplete"
+        assert events[-2].data["item"]["status"] == "completed"
+
+
+async def test_a_response_has_vllms_defaults_and_usage(make_client: ClientFactory) -> None:
+    async with make_client() as client:
+        whole = await client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2})
+        response = whole.json()
+        # what the client did not send is null, as vLLM echoes it; no ``store`` field
+        assert response["metadata"] is None and response["text"] is None
+        assert "store" not in response
+        usage = response["usage"]
+        assert usage["input_tokens_details"] == {"cached_tokens": 0, "cache_write_tokens": 0,
+                                                 "input_tokens_per_turn": [],
+                                                 "cached_tokens_per_turn": []}  # fmt: skip
+        assert usage["output_tokens_details"] == {"reasoning_tokens": 0, "tool_output_tokens": 0,
+                                                  "output_tokens_per_turn": [],
+                                                  "tool_output_tokens_per_turn": []}  # fmt: skip
+        sent = {"input": "hi", "max_output_tokens": 2, "metadata": {"k": "v"},
+                "text": {"format": {"type": "text"}}}  # fmt: skip
+        response = (await client.post("/v1/responses", json=sent)).json()
+        assert response["metadata"] == {"k": "v"}
+        assert response["text"] == {"format": {"type": "text"}}
 
 
 async def test_stored_responses_are_retrieved_and_chained(make_client: ClientFactory) -> None:
@@ -274,7 +332,7 @@ async def test_stored_responses_are_retrieved_and_chained(make_client: ClientFac
         r = await client.get(f"/v1/responses/{gone['id']}")
         assert r.status_code == 404 and r.headers["x-slotserve-error-code"] == "response_not_found"
         r = await client.post("/v1/responses", json={"input": "x", "previous_response_id": "no"})
-        assert r.status_code == 404 and field_of(r.json()["error"]) == "previous_response_id"
+        assert r.status_code == 404 and field_of(r) == "previous_response_id"
 
 
 async def test_responses_bad_input_is_a_400_naming_the_field(make_client: ClientFactory) -> None:
@@ -293,7 +351,7 @@ async def test_responses_bad_input_is_a_400_naming_the_field(make_client: Client
             r = await client.post("/v1/responses", json={"input": "hi"} | extra)
             error = r.json()["error"]
             assert r.status_code == 400, (extra, r.text)
-            assert str(field_of(error)).startswith(param), (extra, error)
+            assert str(field_of(r)).startswith(param), (extra, error)
             assert word in error["message"], (extra, error)
         call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
         answer = {"type": "function_call_output", "call_id": "c1", "output": "42"}
@@ -406,9 +464,9 @@ async def test_text_format_json_schema_constrains_a_response(make_client: Client
         bad = body | {"text": {"format": {"type": "json_schema", "name": "p",
                                           "schema": {"type": "nonsense"}}}}  # fmt: skip
         r = await client.post("/v1/responses", json=bad)
-        assert r.status_code == 400 and field_of(r.json()["error"]) == "text.format.schema"
+        assert r.status_code == 400 and field_of(r) == "text.format.schema"
         r = await client.post("/v1/responses", json=body | {"text": {"format": {"type": "yaml"}}})
-        assert r.status_code == 400 and field_of(r.json()["error"]) == "text.format.type"
+        assert r.status_code == 400 and field_of(r) == "text.format.type"
 
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -427,10 +485,10 @@ async def test_a_forced_tool_call_streams_as_each_protocols_tool_events(
         assert use["type"] == "tool_use" and whole["stop_reason"] == "tool_use"
         events = parse_sse((await client.post("/v1/messages", json=body | {"stream": True})).text)
         names = [e.event for e in events]
-        assert names[:3] == ANTHROPIC_EVENTS  # ping after the first content_block_start
+        assert names[:2] == ANTHROPIC_EVENTS
         assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
         assert events[1].data["content_block"]["type"] == "tool_use"
-        pieces = [e.data["delta"] for e in events[3:-3]]
+        pieces = [e.data["delta"] for e in events[2:-3]]
         assert {p["type"] for p in pieces} == {"input_json_delta"}
         assert json.loads("".join(p["partial_json"] for p in pieces)) == use["input"]
         assert events[-2].data["delta"]["stop_reason"] == "tool_use"
@@ -451,6 +509,31 @@ async def test_a_forced_tool_call_streams_as_each_protocols_tool_events(
         assert "".join(deltas) == done["arguments"] and json.loads(done["arguments"])["city"]
         final = events[-1].data["response"]
         assert final["output"][0]["call_id"] == events[2].data["item"]["call_id"]
+
+
+@pytest.mark.parametrize("fallback", ["none", "describe"])
+async def test_a_template_without_tools_is_told_of_them_only_with_describe(
+    fallback: str,
+) -> None:
+    """As vLLM, a chat template that cannot render tools (the mock's) gets the turns as they
+    are; ``--tool-prompt-fallback describe`` offers the tools in a system message."""
+    tool = {"type": "function", "function": {"name": "weather", "parameters": WEATHER}}
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    turns = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
+    async with app_client(tool_prompt_fallback=fallback) as client:
+        body = {"messages": turns, "max_tokens": 1, "tools": [tool], "tool_choice": "none"}
+        with_tools = await client.post("/v1/chat/completions", json=body | {"tool_choice": "auto"})
+        without = await client.post("/v1/chat/completions", json=body)
+        plain = serving_of(client).tokenizer.chat_prompt(
+            [("user", USER[0]["content"]), ("assistant", ""), ("tool", "sunny")]
+        )
+        tokens = with_tools.json()["usage"]["prompt_tokens"]
+        if fallback == "none":
+            assert tokens == without.json()["usage"]["prompt_tokens"] == len(plain)
+        else:
+            assert tokens > without.json()["usage"]["prompt_tokens"] > len(plain)
 
 
 async def test_tool_bad_input_is_a_400_naming_the_field(make_client: ClientFactory) -> None:
@@ -479,7 +562,7 @@ async def test_tool_bad_input_is_a_400_naming_the_field(make_client: ClientFacto
         for extra, param in responses:
             r = await client.post("/v1/responses", json={"input": "hi"} | extra)
             assert r.status_code == 400, (extra, r.text)
-            assert field_of(r.json()["error"]) == param, (extra, r.json())
+            assert field_of(r) == param, (extra, r.json())
 
 
 async def test_output_text_logprobs_when_included(make_client: ClientFactory) -> None:
@@ -488,6 +571,7 @@ async def test_output_text_logprobs_when_included(make_client: ClientFactory) ->
     async with make_client() as client:
         whole = (await client.post("/v1/responses", json=body)).json()
         part = whole["output"][0]["content"][0]
+        assert whole["top_logprobs"] == 2  # echoed, as vLLM (null when not asked)
         assert len(part["logprobs"]) == whole["usage"]["output_tokens"] == 8
         assert "".join(entry["token"] for entry in part["logprobs"]) == part["text"]
         assert all(len(entry["top_logprobs"]) == 2 for entry in part["logprobs"])
@@ -496,7 +580,7 @@ async def test_output_text_logprobs_when_included(make_client: ClientFactory) ->
                     for x in e.data["logprobs"]]  # fmt: skip
         assert streamed == part["logprobs"] == events[-4].data["logprobs"]
         plain = await client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2})
-        assert plain.json()["output"][0]["content"][0]["logprobs"] == []
+        assert plain.json()["output"][0]["content"][0]["logprobs"] is None  # as vLLM
 
 
 async def test_a_mock_that_calls_tools_under_auto_still_follows_a_text_format(

@@ -23,6 +23,7 @@ from app.engine.errors import GrammarLimitError, ModelOutputError
 from app.engine.types import FinishReason
 from app.models.mock import MockModel
 from app.models.mock_language import MockLanguage
+from app.models.protocol import NO_TOKEN, StepBatch
 from app.models.tokenizer import EOS_TOKEN_ID
 from app.structured.constraint import Constraint
 from app.structured.grammar import allowed
@@ -87,6 +88,25 @@ def test_the_api_answers_a_grammar_limit_400_and_a_model_failure_500() -> None:
     assert limit.message.startswith("tools: ") and "Current row has 2003 items" in limit.message
     failed = generation_failed(ModelOutputError("bad token"), "response_format")
     assert (failed.status, failed.code, failed.type) == (500, "model_error", "InternalServerError")
+
+
+class BannedModel(MaskedRandomModel):
+    """A model whose every masked row is refused by the request's bans: it reports
+    ``NO_TOKEN``, as the real model's sampler does when ``allowed_token_ids`` (or ``logit_bias``
+    -100, ``bad_words``) leaves nothing of what the grammar allows."""
+
+    def step(self, batch: StepBatch) -> list[int]:
+        return [NO_TOKEN] * batch.num_outputs
+
+
+def test_bans_that_leave_no_token_the_grammar_allows_are_the_clients_400_not_a_500() -> None:
+    """Review: ``allowed_token_ids`` that exclude every token of a grammar's text ended the
+    request as a model error: a 500 "model call failed" for the client's own request."""
+    seq = constrained("r", b"hi", Constraint.choice(["yes", "no"]), 10)
+    drive(BannedModel(seed=1), [seq], num_slots=1)
+    assert seq.finish_reason is FinishReason.ERROR and "no token is left" in str(seq.error)
+    answer = generation_failed(seq.error, "structured_outputs")
+    assert (answer.status, answer.code, answer.type) == (400, "invalid_value", "BadRequestError")
 
 
 # llguidance's own limits, without the server's CPU budget (which, timed, may come first:

@@ -247,6 +247,15 @@ def test_a_grammar_that_cannot_end_within_max_tokens_ends_with_length() -> None:
     assert seq.finish_reason == "length" and seq.num_generated == 10
 
 
+def test_a_complete_grammar_ends_the_request_on_eos_one_step_later() -> None:
+    """As vLLM's grammar backends: a grammar whose text is complete takes only EOS, and the
+    request ends on it (a stream's last chunk then carries no text, as vLLM's does)."""
+    seq = constrained("r", b"hi", Constraint.regex("[a-z]{5}"), 10)
+    drive(MockModel(MockLanguage()), [seq], num_slots=1)
+    assert seq.finish_reason == "stop" and seq.stop_token == EOS_TOKEN_ID
+    assert len(TOKENIZER.decode(seq.generated)) == 5
+
+
 def test_an_ended_constrained_request_frees_its_grammar() -> None:
     """Aborted while running (after the runner has seen it) or finished: no reference to its
     matcher is left anywhere (scheduler, runner, sequence), so the matcher is collected."""

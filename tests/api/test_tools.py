@@ -109,6 +109,7 @@ def test_a_tool_call_round_trip_through_the_sdk(client: openai.OpenAI, stream: b
         deltas = [d for p in parts for d in p.delta.tool_calls or []]
         assert deltas[0].index == 0 and deltas[0].id and deltas[0].function
         assert deltas[0].function.name == "get_weather"
+        assert deltas[0].function.arguments is None  # the name first, alone (as vLLM)
         assert all(d.id is None and d.index == 0 for d in deltas[1:])
         arguments = "".join((d.function.arguments or "") for d in deltas if d.function)
         call_id, finish = deltas[0].id, parts[-1].finish_reason

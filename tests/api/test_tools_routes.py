@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import app_client
+from prometheus_client.parser import text_string_to_metric_families
 from sse import parse_sse
 
 from app.models.mock import MockModel
@@ -119,3 +120,50 @@ async def test_the_same_text_gives_the_same_calls_on_every_route(
         for stream in (False, True):
             for route in (chat, responses, messages):
                 assert await route(client, parallel, stream) == expected, (route, stream)
+
+
+def parser_counts(metrics: str) -> dict[tuple[str, str, str], float]:
+    """``vllm:tool_call_parser_invocations_total`` on /metrics: (mode, outcome, request_type)
+    -> value, each series checked to carry vLLM's labels (no ``engine``: one per process)."""
+    counts = {}
+    for family in text_string_to_metric_families(metrics):
+        if family.name != "vllm:tool_call_parser_invocations":
+            continue
+        for sample in family.samples:
+            labels = sample.labels
+            assert set(labels) == {"model_name", "mode", "outcome", "request_type"}, labels
+            counts[labels["mode"], labels["outcome"], labels["request_type"]] = sample.value
+    return counts
+
+
+async def test_tool_parser_invocations_count_as_vllms() -> None:
+    """vLLM's counter: every series at 0 from the start; a reply read whole counts once per
+    choice, a streamed one once per delta read (those with a call's part: ``tool_call``), under
+    the route's request type (Messages: ``other``); no tools offered, nothing is read."""
+    model = MockModel(Scripted(script=ONE.encode()))
+    async with app_client(model, num_slots=4) as client:
+        start = parser_counts((await client.get("/metrics")).text)
+        assert len(start) == 12 and set(start.values()) == {0.0}
+        for route in (chat, responses, messages):
+            await route(client, True, False)
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5}
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        whole = parser_counts((await client.get("/metrics")).text)
+        moved = {series: value for series, value in whole.items() if value}
+        assert moved == {
+            ("non_streaming", "tool_call", request_type): 1.0
+            for request_type in ("chat_completions", "responses", "other")
+        }
+        await chat(client, True, True)
+        await responses(client, True, True)
+        streamed = parser_counts((await client.get("/metrics")).text)
+    for request_type in ("chat_completions", "responses"):
+        # "Let me look.\n" is text, then the call block, whose parts come out when it closes
+        calls = streamed["streaming", "tool_call", request_type]
+        text = streamed["streaming", "no_tool_call", request_type]
+        assert calls == 1 and text >= 1, (request_type, calls, text)
+        assert calls + text <= len(ONE) + 1  # at most one read per token (and the end's)
+    assert streamed["streaming", "tool_call", "other"] == 0  # messages was not streamed
+    assert {k: v for k, v in streamed.items() if k[0] == "non_streaming"} == {
+        k: v for k, v in whole.items() if k[0] == "non_streaming"
+    }

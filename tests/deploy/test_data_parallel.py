@@ -109,7 +109,7 @@ async def test_sleep_covers_every_rank(make_client: ClientFactory) -> None:
                                     headers={RANK: "2"})  # fmt: skip
         assert refused.status_code == 503
         assert (await client.post("/wake_up")).status_code == 200
-        assert (await client.get("/health")).json() == {"status": "ok"}
+        assert (await client.get("/health")).status_code == 200
 
 
 async def test_a_non_ascii_digit_rank_header_is_a_400(make_client: ClientFactory) -> None:

@@ -14,6 +14,7 @@ from app.engine.slots import SlotTable
 from app.engine.step import ModelOutput, SchedulerOutput, StepOutcome
 from app.engine.types import FinishReason, RequestStatus, Sequence
 from app.engine.waiting import WaitingQueue
+from app.models.protocol import NO_TOKEN, SamplingParams
 
 STOP = 0
 
@@ -705,3 +706,18 @@ def test_waiting_queue_push_front_goes_ahead_of_earlier_arrivals() -> None:
     queue.push(b)
     queue.push_front(c)
     assert queue.peek() is c and queue.drain() == [c, a, b]
+
+
+def test_a_decode_with_no_token_left_fails_that_request_alone() -> None:
+    """A model answers NO_TOKEN for a row whose bans leave nothing to sample, on any step: the
+    request ends with an error (never a token -1 in its output); its neighbour decodes on."""
+    banned = Sequence("banned", [1, 2], 10, frozenset({STOP}),
+                      sampling=SamplingParams(bad_words=((9,),)))  # fmt: skip
+    plain = seq("plain")
+    scheduler = scheduler_with(banned, plain)
+    step(scheduler)  # both prefill and sample their first token
+    out = scheduler.schedule(0.0)
+    tokens = [NO_TOKEN if s is banned else 5 for s in out.decode_seqs]
+    scheduler.update(out, ModelOutput(tokens), 0.0)
+    assert banned.finish_reason is FinishReason.ERROR and NO_TOKEN not in banned.tokens
+    assert status(plain) is RequestStatus.RUNNING and plain.tokens[-1] == 5

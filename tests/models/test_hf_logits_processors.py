@@ -202,3 +202,18 @@ def test_a_row_whose_every_token_is_banned_gets_no_token_not_nan(tiny: Path) -> 
     assert result.logprobs is not None and result.logprobs[0] is None
     entry = result.logprobs[1]
     assert entry is not None and math.isfinite(entry.logprob)
+
+
+@pytest.mark.parametrize("penalty", [1e-308, 1e-40, 1e308])
+def test_an_extreme_repetition_penalty_leaves_every_logit_finite(penalty: float) -> None:
+    """Review: repetition_penalty 1e-308 (0 in float32) made a seen token's positive logit inf
+    (1e308, inf there, made a 0 logit NaN), the draw's probabilities NaN and the model call
+    fail: SmolLM2 answered 500 to that request and to a concurrent one in the same step. Any
+    finite penalty above 0 (vLLM's range) now leaves every logit finite."""
+    logits = torch.tensor([[5.0, -3.0, 0.0, 1.0, 2.0], [5.0, -3.0, 0.0, 1.0, 2.0]])
+    params = [SamplingParams(repetition_penalty=penalty), SamplingParams()]
+    process(logits, params, [History([0, 1, 2, 3], 4), None])
+    assert bool(torch.isfinite(logits).all()), logits
+    assert logits[1].tolist() == [5.0, -3.0, 0.0, 1.0, 2.0]  # its neighbour untouched
+    # a penalty below 1 favours the seen tokens (5.0 first), one above 1 the unseen (2.0)
+    assert int(logits[0].argmax()) == (0 if penalty < 1 else 4)

@@ -1,6 +1,7 @@
 """A checkpoint whose chat template renders tools gets them (and earlier calls and tool
-results) through the template; one without gets the default format. The grammar engine reads a
-checkpoint's BPE vocabulary."""
+results) through the template; one without gets, as vLLM, the turns as they are (or the default
+format with ``--tool-prompt-fallback describe``). The grammar engine reads a checkpoint's BPE
+vocabulary."""
 
 from __future__ import annotations
 
@@ -44,8 +45,9 @@ def _tokenizer(folder: Path, template: str | None) -> HFTokenizer:
     return HFTokenizer(tok, vocab_size=len(tok), stop_token_ids=frozenset({2}), eos_token_id=2)
 
 
-def _prompt(tokenizer: HFTokenizer) -> str:
-    serving: Any = SimpleNamespace(tokenizer=tokenizer)
+def _prompt(tokenizer: HFTokenizer, fallback: str = "none") -> str:
+    settings = SimpleNamespace(tool_prompt_fallback=fallback)
+    serving: Any = SimpleNamespace(tokenizer=tokenizer, settings=settings)
     return tokenizer.decode(chat_prompt(MESSAGES, PLAN, serving))
 
 
@@ -56,10 +58,19 @@ def test_a_template_that_renders_tools_gets_them(tmp_path: Path) -> None:
     assert "TOOLS: get_weather" in text and "CALL get_weather Rome" in text and "sunny" in text
 
 
-def test_a_template_without_tools_gets_the_default_format(tmp_path: Path) -> None:
+def test_a_template_without_tools_gets_the_turns_as_vllm_sends_them(tmp_path: Path) -> None:
     tokenizer = _tokenizer(tmp_path, None)
     assert not tokenizer.supports_tools
-    text = _prompt(tokenizer)
+    plain = tokenizer.decode(
+        tokenizer.chat_prompt([("user", "Weather in Rome?"), ("assistant", ""), ("tool", "sunny")])
+    )
+    assert _prompt(tokenizer) == plain  # no tool described, the call not shown
+    assert "get_weather" not in plain
+
+
+def test_describe_gives_a_template_without_tools_the_default_format(tmp_path: Path) -> None:
+    tokenizer = _tokenizer(tmp_path, None)
+    text = _prompt(tokenizer, "describe")
     assert '"name": "get_weather"' in text and "<tool_call>" in text
     assert "<tool_response>\nsunny\n</tool_response>" in text
 

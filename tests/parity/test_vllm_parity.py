@@ -61,12 +61,6 @@ def test_every_accepted_difference_still_occurs(vllm: dict[str, Any], ours: dict
     assert stale == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 33's goal, not met yet: 38 requests differ, most on purpose (Responses' and "
-    "Messages' fields as OpenAI and Anthropic send them, params named where vLLM names none; "
-    "docs/vllm-differences.md)",
-)
 def test_few_requests_differ(vllm: dict[str, Any], ours: dict[str, Any]) -> None:
     differing = differing_requests(compare(vllm, ours))
     assert len(differing) <= MAX_DIFFERING, differing

@@ -2,11 +2,13 @@
 
 An adapter over ``app.api.generation``: the body becomes one ``InternalRequest``; the output is
 one ``message`` object, or Anthropic's event sequence (``message_start``,
-``content_block_start``, ``ping``, ``content_block_delta`` ``text_delta``...,
+``content_block_start``, ``content_block_delta`` ``text_delta``...,
 ``content_block_stop``, ``message_delta`` with ``stop_reason`` and usage, ``message_stop``; a
 failed model call ends the stream with an ``error`` event). ``stop_reason``: ``end_turn``,
 ``max_tokens``, ``stop_sequence`` (``stop_sequence`` names it) or ``tool_use``; a request the
 server ended early (DELETE, shutdown) reports ``end_turn``, Anthropic having no such reason.
+As vLLM answers these routes: no ``ping`` event, usage without Anthropic's cache counters, and
+a ``system`` message inside ``messages`` is a system turn where it stands.
 Tools (``tools`` with ``input_schema``, ``tool_choice`` auto/any/tool/none) reuse the chat
 route's tool machinery (``app.api.tools``: prompt, grammar of a forced call, parsing): a call is
 a ``tool_use`` block,
@@ -64,10 +66,7 @@ async def messages(
     if body.stream:
         response = generation.stream_response(run, serving, MessageEvents(run, model))
     else:
-        try:
-            outcome = (await generation.await_outcomes(request, run, serving))[0]
-        except generation.ModelFailed as err:
-            raise err.error from err
+        outcome = (await generation.whole_reply(request, run, serving))[0]
         response = JSONResponse(message_object(run.id, model, outcome))
     return generation.flag_priority(response, serving, internal)
 
@@ -111,8 +110,9 @@ def prompt_ids(body: CountTokensRequest, plan: ToolPlan | None, serving: Serving
 
 def chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
     """``system`` then each message's blocks as chat messages (a ``tool_use`` becomes an
-    assistant's tool call, a ``tool_result`` a tool message); a ``tool_result`` must answer a
-    ``tool_use`` of an earlier assistant message (400 otherwise)."""
+    assistant's tool call, a ``tool_result`` a tool message; a ``system`` message is a system
+    turn where it stands, dropped when it has no text, as vLLM); a ``tool_result`` must answer
+    a ``tool_use`` of an earlier assistant message (400 otherwise)."""
     out: list[ChatMessage] = []
     system = body.system_text()
     if system:
@@ -126,7 +126,10 @@ def chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
             if isinstance(block, TextBlock):
                 texts.append(block.text)
             elif isinstance(block, ToolResultBlock):
-                if message.role != "user" or block.tool_use_id not in calls:
+                if message.role != "user":  # (a system or assistant turn's: say so)
+                    raise InvalidField("a tool_result block belongs in a user message",
+                                       param=f"messages.{m}.content.{b}")  # fmt: skip
+                if block.tool_use_id not in calls:
                     raise _unmatched(block, f"messages.{m}.content.{b}.tool_use_id")
                 out.append(ChatMessage(role="tool", content=block.text(),
                                        tool_call_id=block.tool_use_id))  # fmt: skip
@@ -138,6 +141,8 @@ def chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
                 calls.add(block.id)
                 function = CalledFunction(name=block.name, arguments=json.dumps(block.input))
                 called.append(MessageToolCall(id=block.id, function=function))
+        if message.role == "system" and not "".join(texts):
+            continue
         if texts or called or not results:  # (a user turn of only results: just those)
             content = "".join(texts) if texts or not called else None
             out.append(ChatMessage(role=message.role, content=content, tool_calls=called or None))
@@ -159,8 +164,8 @@ def stop_reason(outcome: generation.Outcome) -> str:
 
 
 def usage(input_tokens: int, output_tokens: int) -> dict[str, int]:
-    return {"input_tokens": input_tokens, "output_tokens": output_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}  # fmt: skip
+    """Token usage as vLLM sends it: no cache counters (optional in Anthropic's SDKs)."""
+    return {"input_tokens": input_tokens, "output_tokens": output_tokens}
 
 
 def tool_use(call: ToolCall) -> dict[str, Any]:
@@ -195,7 +200,6 @@ class MessageEvents(generation.PartShaper):
         self.run, self.model = run, model
         self.open: str | None = None  # the open block's kind: "text" or "tool_use"
         self.next_index = 0
-        self.pinged = False
 
     def opening(self) -> Iterable[bytes]:
         view = self.run.stream.view
@@ -212,9 +216,6 @@ class MessageEvents(generation.PartShaper):
         yield from self._stop()
         self.open = str(block["type"])
         yield _event("content_block_start", {"index": self.next_index, "content_block": block})
-        if not self.pinged:  # as Anthropic: after the first content_block_start
-            self.pinged = True
-            yield _event("ping", {})
 
     def _stop(self) -> Iterable[bytes]:
         if self.open is not None:
@@ -238,8 +239,8 @@ class MessageEvents(generation.PartShaper):
         yield from self._stop()
         delta = {"stop_reason": stop_reason(outcome), "stop_sequence": outcome.stop_sequence}
         # the cumulative usage, input tokens too, as vLLM and Anthropic's current API send it
-        usage = {"input_tokens": outcome.prompt_tokens, "output_tokens": outcome.completion_tokens}
-        yield _event("message_delta", {"delta": delta, "usage": usage})
+        totals = usage(outcome.prompt_tokens, outcome.completion_tokens)
+        yield _event("message_delta", {"delta": delta, "usage": totals})
         yield _event("message_stop", {})
 
     def failure(self, error: APIError) -> Iterable[bytes]:

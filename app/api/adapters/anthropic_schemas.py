@@ -6,23 +6,19 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, Field, StrictStr
 
 from app.api.schemas import FunctionName, NonEmptyText, Priority, Text, UserName
 from app.models.protocol import SamplingParams
 
 
 class TextBlock(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
     type: Literal["text"]
     text: Text
 
 
 class ToolUseBlock(BaseModel):
     """A tool call the assistant made (in an assistant message)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     type: Literal["tool_use"]
     id: Annotated[StrictStr, Field(min_length=1)]
@@ -33,12 +29,10 @@ class ToolUseBlock(BaseModel):
 class ToolResultBlock(BaseModel):
     """A tool's answer (in a user message); ``tool_use_id`` names an earlier ``tool_use``."""
 
-    model_config = ConfigDict(extra="ignore")
-
     type: Literal["tool_result"]
     tool_use_id: Annotated[StrictStr, Field(min_length=1)]
     content: Text | list[TextBlock] = ""
-    is_error: StrictBool = False
+    is_error: bool = False
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -50,9 +44,9 @@ Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminato
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """A turn; ``system`` too (vLLM takes it as a system turn where it stands)."""
 
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: Text | Annotated[list[Block], Field(min_length=1)]
 
     def blocks(self) -> list[TextBlock | ToolUseBlock | ToolResultBlock]:
@@ -62,16 +56,12 @@ class Message(BaseModel):
 
 
 class Metadata(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
     user_id: UserName | None = None
 
 
 class ToolDef(BaseModel):
     """A client tool (``input_schema``: its input's JSON schema). Anthropic's server tools
     (a ``type`` such as ``web_search_20250305``) are refused by the adapter, named."""
-
-    model_config = ConfigDict(extra="ignore")
 
     type: StrictStr | None = None
     name: FunctionName
@@ -80,17 +70,13 @@ class ToolDef(BaseModel):
 
 
 class ToolChoiceDef(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
     type: Literal["auto", "any", "tool", "none"]
     name: StrictStr | None = None  # with "tool"
-    disable_parallel_tool_use: StrictBool | None = None
+    disable_parallel_tool_use: bool | None = None
 
 
 class CountTokensRequest(BaseModel):
     """``POST /v1/messages/count_tokens``: the prompt part of a messages request."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: Text | None = None
     messages: Annotated[list[Message], Field(min_length=1)]
@@ -108,16 +94,17 @@ class CountTokensRequest(BaseModel):
 
 class MessagesRequest(CountTokensRequest):
     """``POST /v1/messages``. Sampling ranges are Anthropic's (temperature 0-1), and so is
-    ``max_tokens`` >= 1."""
+    ``max_tokens`` >= 1; integers are read as on the OpenAI routes (pydantic's lax mode, as
+    vLLM's schema of this route: ``"5"`` and ``5.0`` are 5)."""
 
-    max_tokens: Annotated[StrictInt, Field(ge=1)]
+    max_tokens: Annotated[int, Field(ge=1)]
     stop_sequences: Annotated[list[NonEmptyText], Field(max_length=16)] = Field(
         default_factory=list
     )
     temperature: Annotated[float, Field(ge=0, le=1)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[StrictInt, Field(ge=0)] | None = None
-    stream: StrictBool = False
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    stream: bool = False
     metadata: Metadata | None = None
     priority: Priority = Field(0, description="slotserve's extension: lower runs first")
 

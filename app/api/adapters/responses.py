@@ -102,10 +102,7 @@ async def create(
             store.put(entry)  # GET sees it while it streams
         response = generation.stream_response(run, serving, ResponseEvents(shape, keep))
     else:
-        try:
-            outcome = (await generation.await_outcomes(request, run, serving))[0]
-        except generation.ModelFailed as err:
-            raise err.error from err
+        outcome = (await generation.whole_reply(request, run, serving))[0]
         entry.response = shape.finished(outcome)
         response = reply_bounds.json_reply(entry.response, serving, "max_output_tokens or "
                                            "top_logprobs")  # fmt: skip
@@ -355,6 +352,7 @@ class ResponseShape:
     ) -> dict[str, Any]:  # fmt: skip
         body = self.body
         fmt = body.text.format.echo() if body.text and body.text.format else None
+        # as vLLM: ``text`` and ``metadata`` echo the request (null when not sent), no ``store``
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
             "background": bool(body.background), "error": None, "incomplete_details": None,
@@ -368,18 +366,23 @@ class ResponseShape:
             "frequency_penalty": body.frequency_penalty or 0.0, "service_tier": "auto",
             "tool_choice": _dumped(body.tool_choice) or ("auto" if body.tools else "none"),
             "tools": [tool.model_dump(exclude_none=True) for tool in body.tools],
-            "text": {"format": fmt or {"type": "text"}}, "truncation": "disabled",
-            "usage": usage, "user": body.user, "metadata": body.metadata or {},
-            "store": body.store is not False,
+            "text": None if body.text is None else {"format": fmt}, "truncation": "disabled",
+            "usage": usage, "user": body.user, "metadata": body.metadata, "top_logprobs": self.top,
         } | extra  # fmt: skip
 
     def message(self, text: str | None, status: str) -> dict[str, Any]:
-        content = [] if text is None else [self.part(text, self.logprobs())]
+        content = [] if text is None else [self.part(text, self.part_logprobs())]
         return {"type": "message", "id": self.message_id, "status": status,
                 "role": "assistant", "content": content}  # fmt: skip
 
-    def part(self, text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+    @staticmethod
+    def part(text: str, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+    def part_logprobs(self) -> list[dict[str, Any]] | None:
+        """A finished text part's log probabilities: null when not asked for, as vLLM (its
+        stream's deltas, ``output_text.done`` and the opening part carry ``[]``)."""
+        return None if self.top is None else self.logprobs()
 
     def logprobs(self, start: int = 0) -> list[dict[str, Any]]:
         """The output tokens' log probabilities from token ``start`` on (chat's shape: token,
@@ -404,24 +407,40 @@ class ResponseShape:
         status = status or ("completed" if reason == "stop" else "incomplete")
         cut = {"length": "max_output_tokens", "abort": "cancelled"}
         incomplete = {"reason": cut[reason]} if status == "incomplete" and reason in cut else None
-        item_status = "completed" if status == "completed" else "incomplete"
+        item_status = _item_status(status)
         items = (
             [self.message(outcome.text, item_status)] if outcome.text or not outcome.calls else []
         )
         items += [self.call(call, None, item_status) for call in outcome.calls]
-        usage = {
-            "input_tokens": outcome.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": outcome.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
-        }  # fmt: skip
-        return self.object(status, items, usage, incomplete_details=incomplete)
+        return self.object(status, items, _usage(outcome), incomplete_details=incomplete)
 
     def failed(self, error: APIError) -> dict[str, Any]:
         """The ``failed`` object: ``error.code`` is ``server_error`` for our faults, else the
         client's problem (``invalid_grammar``: the grammar engine gave up on its grammar)."""
         code = "server_error" if error.server_fault else error.code or "invalid_request"
         return self.object("failed", error={"code": code, "message": error.message})
+
+
+def _item_status(status: str) -> str:
+    """An output item's status in a response of ``status``: ``completed`` once generation
+    ended, even cut by ``max_output_tokens`` (as vLLM: the response's own status and
+    ``incomplete_details`` say it was cut); ``incomplete`` in a cancelled response."""
+    return "incomplete" if status == "cancelled" else "completed"
+
+
+def _usage(outcome: generation.Outcome) -> dict[str, Any]:
+    """Token usage in vLLM's shape: OpenAI's fields and vLLM's additions (cache writes, its
+    built-in tools' output tokens and per-turn lists: 0 and empty, one turn without tools)."""
+    return {
+        "input_tokens": outcome.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0,
+                                 "input_tokens_per_turn": [], "cached_tokens_per_turn": []},
+        "output_tokens": outcome.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0,
+                                  "output_tokens_per_turn": [],
+                                  "tool_output_tokens_per_turn": []},
+        "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
+    }  # fmt: skip
 
 
 def _dumped(value: Any) -> Any:
@@ -463,7 +482,8 @@ class ResponseEvents(generation.PartShaper):
         self.said = []
         yield self._event("response.output_item.added", output_index=self.index,
                           item=self.shape.message(None, "in_progress"))  # fmt: skip
-        yield self._event("response.content_part.added", **self._at(), part=self.shape.part(""))
+        yield self._event("response.content_part.added", **self._at(),
+                          part=self.shape.part("", []))  # fmt: skip
 
     def _close(self, status: str) -> Iterable[bytes]:
         """Close the open item (if any): its done events, with ``status``."""
@@ -474,7 +494,7 @@ class ResponseEvents(generation.PartShaper):
             yield self._event("response.output_text.done", **self._at(), text=text,
                               logprobs=logprobs)  # fmt: skip
             yield self._event("response.content_part.done", **self._at(),
-                              part=shape.part(text, logprobs))  # fmt: skip
+                              part=shape.part(text, shape.part_logprobs()))  # fmt: skip
             yield self._event("response.output_item.done", output_index=self.index,
                               item=shape.message(text, status))  # fmt: skip
             self.index += 1
@@ -517,7 +537,7 @@ class ResponseEvents(generation.PartShaper):
         final = self.shape.finished(outcome)
         if self.index == 0 and self.said is None and self.calling is None and not outcome.calls:
             yield from self._open_message()  # an empty reply: still one (empty) message
-        yield from self._close("completed" if final["status"] == "completed" else "incomplete")
+        yield from self._close(_item_status(final["status"]))
         self.keep(final, outcome)
         self.kept = True
         yield self._event("response.completed", response=final)  # its status says how it ended

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictStr, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictStr, Tag
 
 from app.api.schemas import (
     FunctionName,
@@ -31,16 +31,12 @@ Metadata = Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)]
 class TextPart(BaseModel):
     """A text content part (``input_text`` in a request, ``output_text`` echoed back)."""
 
-    model_config = ConfigDict(extra="ignore")
-
     type: Literal["input_text", "output_text", "text"]
     text: Text
 
 
 class MessageItem(BaseModel):
     """A message item; ``type`` may be left out (the SDK's "easy" input message)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
@@ -55,8 +51,6 @@ class MessageItem(BaseModel):
 class FunctionCallItem(BaseModel):
     """A function call the model made earlier (sent back by the client with its output)."""
 
-    model_config = ConfigDict(extra="ignore")
-
     type: Literal["function_call"]
     call_id: Id
     name: FunctionName
@@ -65,8 +59,6 @@ class FunctionCallItem(BaseModel):
 
 class FunctionCallOutputItem(BaseModel):
     """A function's result; ``call_id`` names a ``function_call`` item before it."""
-
-    model_config = ConfigDict(extra="ignore")
 
     type: Literal["function_call_output"]
     call_id: Id
@@ -107,7 +99,7 @@ class TextFormat(BaseModel):
     type: StrictStr = "text"
     name: StrictStr | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: StrictBool | None = None
+    strict: bool | None = None
 
     def echo(self) -> dict[str, Any]:
         """As the response object reports it."""
@@ -115,8 +107,6 @@ class TextFormat(BaseModel):
 
 
 class TextOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
     format: TextFormat | None = None
 
 
@@ -130,12 +120,10 @@ class ToolItem(BaseModel):
     name: FunctionName | None = None
     description: StrictStr | None = None
     parameters: dict[str, Any] | None = None
-    strict: StrictBool | None = None
+    strict: bool | None = None
 
 
 class NamedChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
     type: Literal["function"]
     name: StrictStr
 
@@ -143,19 +131,17 @@ class NamedChoice(BaseModel):
 class ResponsesRequest(SamplingFields):
     """``POST /v1/responses``."""
 
-    model_config = ConfigDict(extra="ignore")
-
     model: Text | None = None
     input: Text | Annotated[list[Item], Field(min_length=1)]
     instructions: Text | None = None
     max_output_tokens: MaxTokens | None = None
-    stream: StrictBool | None = False
-    store: StrictBool | None = True
-    background: StrictBool | None = False
+    stream: bool | None = False
+    store: bool | None = True
+    background: bool | None = False
     previous_response_id: Id | None = None
     tools: Annotated[list[ToolItem], Field(max_length=128)] = Field(default_factory=list)
     tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
-    parallel_tool_calls: StrictBool | None = None
+    parallel_tool_calls: bool | None = None
     text: TextOptions | None = None
     metadata: Metadata | None = None
     include: Annotated[list[StrictStr], Field(max_length=16)] = Field(default_factory=list)

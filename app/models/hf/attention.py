@@ -39,7 +39,8 @@ class ChunkSpan:
 class StepLayout:
     """Where every packed token goes: ``slots``/``positions`` per token (tensors), the decode
     tokens' slot range ``[lo, lo + range_size)``, their rows in it, the range's key mask
-    (range_size, 1, 1, key_len), and the prefill chunks."""
+    (range_size, 1, 1, key_len; None when every row attends all ``key_len`` keys, as one
+    stream does), and the prefill chunks."""
 
     slots: torch.Tensor
     positions: torch.Tensor
@@ -78,8 +79,9 @@ class StepLayout:
                 lengths[slot - lo] = position + 1
             if decode_slots != list(range(lo, lo + size)):
                 rows = torch.tensor([s - lo for s in decode_slots], device=device)
-            mask = torch.arange(key_len) < torch.tensor(lengths)[:, None]
-            mask = mask.to(device).view(size, 1, 1, key_len)
+            if any(length != key_len for length in lengths):  # else every key is attended
+                mask = torch.arange(key_len) < torch.tensor(lengths)[:, None]
+                mask = mask.to(device).view(size, 1, 1, key_len)
         return StepLayout(
             slots=torch.tensor(slots, device=device),
             positions=torch.tensor(positions, device=device),
@@ -105,8 +107,10 @@ def attend(cache: KVCache, layer: int, queries: torch.Tensor, layout: StepLayout
     cached keys and values (the step's own keys already written). Returns (tokens, heads *
     head_dim)."""
     tokens, heads, head_dim = queries.shape
-    out = torch.empty_like(queries)
     decode = layout.num_decode
+    if decode == tokens:  # decode tokens only: no packed output to assemble
+        return _attend_decode(cache, layer, queries, layout).reshape(tokens, heads * head_dim)
+    out = queries.new_empty(queries.shape)
     if decode:
         out[:decode] = _attend_decode(cache, layer, queries[:decode], layout)
     keys, values = cache.keys[layer], cache.values[layer]

@@ -166,11 +166,12 @@ def block(
     returns (tokens, heads * head_dim)."""
     arch = forward.arch
     x = rms_norm(hidden, input_norm, arch.rms_norm_eps)
-    q, k, v = torch.split(
-        linear("qkv", x), [forward.q_width, forward.kv_width, forward.kv_width], dim=-1
+    qk, v = torch.split(
+        linear("qkv", x), [forward.q_width + forward.kv_width, forward.kv_width], -1
     )
-    q = Rope.apply(q.view(-1, arch.num_heads, arch.head_dim), cos, sin)
-    k = Rope.apply(k.view(-1, arch.num_kv_heads, arch.head_dim), cos, sin)
+    # queries and keys rotate together: one RoPE over (tokens, heads + kv_heads, head_dim)
+    qk = Rope.apply(qk.view(-1, arch.num_heads + arch.num_kv_heads, arch.head_dim), cos, sin)
+    q, k = torch.split(qk, [arch.num_heads, arch.num_kv_heads], dim=1)
     hidden = hidden + linear("out", attention(q, k, v.view_as(k)))
     x = rms_norm(hidden, post_norm, arch.rms_norm_eps)
     gate, up = linear("gate_up", x).chunk(2, dim=-1)

@@ -30,6 +30,11 @@ from app.models.bans import rule_bans
 from app.models.protocol import SamplingParams, TokenHistory
 
 Rows = list[tuple[int, SamplingParams, TokenHistory | None]]
+# ``repetition_penalty`` is any finite value above 0 (vLLM's check); applied, it is held within
+# [MIN_FACTOR, 1 / MIN_FACTOR] and a penalized logit within +-MAX_PENALIZED, so every logit
+# stays finite, even divided by the lowest temperature the sampler divides by (1e-5)
+MIN_FACTOR = 1e-20
+MAX_PENALIZED = 1e30
 
 
 def process(
@@ -75,8 +80,11 @@ def _penalties(logits: torch.Tensor, rows: Rows) -> None:
     pres = _column([p.presence_penalty for _, p, _ in rows], logits).squeeze(1)
     sub = logits.index_select(0, index)
     flat = sub.view(-1)
-    values, factor = flat[seen], rep[seen // vocab]
-    flat[seen] = torch.where(values > 0, values / factor, values * factor)
+    # a factor past float32's reach (1e-308 is 0 there, 1e308 inf) would make a logit inf or
+    # NaN, and the draw then fails the whole step: every request in it, not just this one
+    values, factor = flat[seen], rep[seen // vocab].clamp(MIN_FACTOR, 1 / MIN_FACTOR)
+    penalized = torch.where(values > 0, values / factor, values * factor)
+    flat[seen] = penalized.clamp(-MAX_PENALIZED, MAX_PENALIZED)
     owner = output // vocab
     flat.index_add_(0, output, -(freq[owner] * counts + pres[owner]))
     logits.index_copy_(0, index, sub)
