@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from app.models.hf.attention import StepLayout
-from app.models.hf.linear import Linear
+from app.models.hf.linear import product
 from app.models.hf.llama import LayerWeights, LlamaForward, block, write_and_attend
 
 log = logging.getLogger("slotserve.model")
@@ -82,16 +82,18 @@ def use_cache_folder(folder: Path) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
 
 
-@torch.library.custom_op("slotserve::linear", mutates_args=())
-def _linear_op(x: torch.Tensor, layer: torch.Tensor, which: int, width: int) -> torch.Tensor:
-    forward, index = _LAYERS[int(layer)]
-    linear: Linear = getattr(forward.weights.layers[index], WHICH[which])
-    return linear(x)
+def _packed_product_as_call() -> None:
+    """Makes inductor emit oneDNN's prepacked product (``mkldnn._linear_pointwise``) as a
+    direct call on whatever weight the graph is given. Its own lowering takes the weight only
+    as a constant (a frozen model), which would bake each layer's weights into its own graph;
+    with a plain call one graph serves all layers, and inductor still folds a following SiLU
+    into the call as oneDNN's post-op."""
+    from torch._inductor import lowering
 
-
-@_linear_op.register_fake
-def _(x: torch.Tensor, layer: torch.Tensor, which: int, width: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], width)
+    op = torch.ops.mkldnn._linear_pointwise.default
+    if op not in lowering.fallbacks:
+        lowering.lowerings.pop(op, None)
+        lowering.make_fallback(op)
 
 
 @torch.library.custom_op("slotserve::attend", mutates_args=())
@@ -121,8 +123,11 @@ class CompiledForward(LlamaForward):
             first = len(_LAYERS)
             _LAYERS.extend((self, i) for i in range(len(self.weights.layers)))
         self._handles = [torch.tensor(first + i) for i in range(len(self.weights.layers))]
-        layer = self.weights.layers[0]
-        self._widths = {name: getattr(layer, name).out_features for name in WHICH}
+        kinds = [{name: getattr(y, name).kind for name in WHICH} for y in self.weights.layers]
+        self._kinds = kinds[0]
+        if any(k != self._kinds for k in kinds):
+            raise ValueError("the compiled forward needs every layer's matrices stored alike")
+        _packed_product_as_call()
         dynamo = torch._dynamo.config
         dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
         dynamo.fail_on_recompile_limit_hit = True  # never a silent fall back to eager
@@ -146,8 +151,9 @@ class CompiledForward(LlamaForward):
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> torch.Tensor:
+        matrices = [t for name in WHICH for t in getattr(layer, name).tensors()]
         out: torch.Tensor = self._compiled(
-            self._handles[index], layer.input_norm, layer.post_norm, hidden, cos, sin
+            self._handles[index], layer.input_norm, layer.post_norm, hidden, cos, sin, *matrices
         )
         return out
 
@@ -159,14 +165,13 @@ class CompiledForward(LlamaForward):
         hidden: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        *matrices: torch.Tensor | None,
     ) -> torch.Tensor:
-        widths = self._widths
-
         def linear(name: str, x: torch.Tensor) -> torch.Tensor:
-            out: torch.Tensor = torch.ops.slotserve.linear(
-                x, handle, WHICH.index(name), widths[name]
-            )
-            return out
+            i = WHICH.index(name) * 3
+            weight = matrices[i]
+            assert weight is not None
+            return product(self._kinds[name], x, weight, matrices[i + 1], matrices[i + 2])
 
         def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             out: torch.Tensor = torch.ops.slotserve.attend(q, k, v, handle)
