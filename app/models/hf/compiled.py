@@ -24,23 +24,30 @@ Figures and the decisions behind this layout: docs/benchmarks.md, "Compiled forw
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import inspect
 import logging
 import os
 import shutil
+import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from app.models.hf.attention import StepLayout
+from app.models.hf.config import ArchConfig
 from app.models.hf.linear import product
 from app.models.hf.llama import LayerWeights, LlamaForward, block, write_and_attend
 
 log = logging.getLogger("slotserve.model")
 
-RECOMPILE_LIMIT = 64  # graphs per process (a test suite loads many model shapes)
 WHICH = ("qkv", "out", "gate_up", "down")
+TRACED_MODULES = ("attention", "compiled", "linear", "llama", "rope")  # a saved graph's source
 
 # A layer handle's forward and layer index; entries live as long as the process (a server
 # loads one model; a test process a few tiny ones).
@@ -82,18 +89,16 @@ def use_cache_folder(folder: Path) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
 
 
-def _packed_product_as_call() -> None:
-    """Makes inductor emit oneDNN's prepacked product (``mkldnn._linear_pointwise``) as a
-    direct call on whatever weight the graph is given. Its own lowering takes the weight only
-    as a constant (a frozen model), which would bake each layer's weights into its own graph;
-    with a plain call one graph serves all layers, and inductor still folds a following SiLU
-    into the call as oneDNN's post-op."""
-    from torch._inductor import lowering
+@torch.library.custom_op("slotserve::packed_linear", mutates_args=())
+def _packed_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return product("packed", x, weight, None, bias)
 
-    op = torch.ops.mkldnn._linear_pointwise.default
-    if op not in lowering.fallbacks:
-        lowering.lowerings.pop(op, None)
-        lowering.make_fallback(op)
+
+@_packed_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 @torch.library.custom_op("slotserve::attend", mutates_args=())
@@ -112,13 +117,15 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) ->
 
 class CompiledForward(LlamaForward):
     """``LlamaForward`` whose decoder layer (``llama.block``) runs compiled: one graph shared
-    by every layer, the layer named to the opaque ops by a 0-d tensor handle rather than a
-    constant baked into the graph, so a start compiles two graphs (one token; several). Same
-    inputs and results as the eager forward up to float rounding (tests/test_hf_compile.py)."""
+    by every layer (the layer's tensors are its inputs; the attention op finds the layer by a
+    0-d tensor handle), two graphs in all (one token; several), built by ``build`` before the
+    first step. Same inputs and results as the eager forward up to float rounding
+    (tests/models/test_hf_compile.py)."""
 
-    def __init__(self, eager: LlamaForward) -> None:
+    def __init__(self, eager: LlamaForward, folder: Path) -> None:
         super().__init__(eager.arch, eager.weights, eager.rope, eager.cache)
         self.layout: StepLayout | None = None
+        self.folder = folder
         with _REGISTRY_LOCK:
             first = len(_LAYERS)
             _LAYERS.extend((self, i) for i in range(len(self.weights.layers)))
@@ -127,11 +134,7 @@ class CompiledForward(LlamaForward):
         self._kinds = kinds[0]
         if any(k != self._kinds for k in kinds):
             raise ValueError("the compiled forward needs every layer's matrices stored alike")
-        _packed_product_as_call()
-        dynamo = torch._dynamo.config
-        dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
-        dynamo.fail_on_recompile_limit_hit = True  # never a silent fall back to eager
-        self._compiled = torch.compile(self._traced, dynamic=True, fullgraph=True)
+        self._graphs: dict[bool, Callable[..., torch.Tensor]] = {}  # one token? -> graph
 
     def __call__(
         self, tokens: torch.Tensor, layout: StepLayout, logit_rows: torch.Tensor
@@ -142,6 +145,59 @@ class CompiledForward(LlamaForward):
         finally:
             self.layout = None
 
+    def build(self, tokens: int) -> bool:
+        """Makes the graph for ``tokens`` (1: the one-token graph; 2: every count above 1):
+        loaded from ``folder`` if a start compiled it before (same torch, shapes and source
+        code), else compiled and saved there. Returns whether it was loaded."""
+        device = self.weights.embed.device
+        positions = torch.arange(tokens, device=device)
+        inputs = self._inputs(0, self.weights.embed[positions], *self.rope.tables(positions))
+        path = self.folder / f"layer-{self._key(inputs)}-{'1' if tokens == 1 else 'n'}.bin"
+        if path.is_file():
+            try:
+                with path.open("rb") as file:
+                    graph: Any = torch.compiler.load_compiled_function(file, f_globals=globals())
+            except Exception as exc:  # any unreadable artifact: compile it again
+                log.warning("compiled layer %s unusable (%s): compiling it again", path, exc)
+            else:
+                self._use(tokens, graph)
+                return True
+        traced = _layer_function(dataclasses.replace(self.arch, hf_config=None), self._kinds)
+        compiling: Any = torch.compile(  # no guards: ``_layer`` picks the graph itself
+            traced,
+            dynamic=True,
+            fullgraph=True,
+            options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
+        )
+        graph = compiling.aot_compile((inputs, {}))
+        self.folder.mkdir(parents=True, exist_ok=True)
+        graph.save_compiled_function(str(path))
+        self._use(tokens, graph)
+        return False
+
+    def _use(self, tokens: int, graph: Any) -> None:
+        graph.disable_guard_check()  # it has none: ``_layer`` picks the graph by token count
+        self._graphs[tokens == 1] = graph
+
+    def _key(self, inputs: tuple[torch.Tensor | None, ...]) -> str:
+        """What a saved graph depends on: torch's version, the layer's shapes, dtypes and
+        matrix kinds, and the source of the modules traced into it."""
+        arch = dataclasses.replace(self.arch, hf_config=None, num_layers=0, vocab_size=0)
+        shapes = [None if t is None else (tuple(t.shape[1:]), t.dtype) for t in inputs]
+        parts = [torch.__version__, repr(arch), repr(shapes), repr(self._kinds)]
+        for name in TRACED_MODULES:
+            parts.append(inspect.getsource(sys.modules[f"app.models.hf.{name}"]))
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+    def _inputs(
+        self, index: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        """Layer ``index``'s graph inputs: ``_traced``'s arguments."""
+        layer = self.weights.layers[index]
+        matrices = [t for name in WHICH for t in getattr(layer, name).tensors()]
+        return (self._handles[index], layer.input_norm, layer.post_norm, hidden, cos, sin,
+                *matrices)  # fmt: skip
+
     def _layer(
         self,
         index: int,
@@ -151,14 +207,16 @@ class CompiledForward(LlamaForward):
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> torch.Tensor:
-        matrices = [t for name in WHICH for t in getattr(layer, name).tensors()]
-        out: torch.Tensor = self._compiled(
-            self._handles[index], layer.input_norm, layer.post_norm, hidden, cos, sin, *matrices
-        )
-        return out
+        graph = self._graphs[hidden.shape[0] == 1]
+        return graph(*self._inputs(index, hidden, cos, sin))
 
-    def _traced(
-        self,
+
+def _layer_function(arch: ArchConfig, kinds: dict[str, str]) -> Callable[..., torch.Tensor]:
+    """The function ``torch.compile`` traces: ``llama.block`` over a layer's tensors (its
+    arguments; ``CompiledForward._inputs``), the matrices applied as ``kinds`` says. It closes
+    over ``arch`` and ``kinds`` only (both picklable: the compiled graph is saved with them)."""
+
+    def layer(
         handle: torch.Tensor,
         input_norm: torch.Tensor,
         post_norm: torch.Tensor,
@@ -169,34 +227,41 @@ class CompiledForward(LlamaForward):
     ) -> torch.Tensor:
         def linear(name: str, x: torch.Tensor) -> torch.Tensor:
             i = WHICH.index(name) * 3
-            weight = matrices[i]
+            weight, scales, bias = matrices[i : i + 3]
             assert weight is not None
-            return product(self._kinds[name], x, weight, matrices[i + 1], matrices[i + 2])
+            if kinds[name] == "packed":  # oneDNN's call stays opaque (see the module doc)
+                out: torch.Tensor = torch.ops.slotserve.packed_linear(x, weight, bias)
+                return out
+            return product(kinds[name], x, weight, scales, bias)
 
         def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             out: torch.Tensor = torch.ops.slotserve.attend(q, k, v, handle)
             return out
 
-        return block(self, input_norm, post_norm, hidden, cos, sin, linear, attention)
+        return block(arch, input_norm, post_norm, hidden, cos, sin, linear, attention)
+
+    return layer
 
 
 def warm_up(forward: CompiledForward) -> float:
-    """Compiles the decoder layer's two graphs (one token: a lone decode step; any other
-    count: dynamic) by running a step of each size on slot 0, which it leaves empty. Logs
-    each graph's time and returns the total seconds."""
+    """Builds the decoder layer's two graphs (``CompiledForward.build``: one token; any other
+    count) and runs a step of each size on slot 0, which it leaves empty. Logs each graph's
+    time and whether it came from the cache; returns the total seconds."""
     began = time.perf_counter()
     device = forward.weights.embed.device
     for tokens in (1, 2):
-        layout = StepLayout.build([], [], [(0, 0, tokens)], device)
-        ids = torch.zeros(tokens, dtype=torch.long, device=device)
         t0 = time.perf_counter()
+        loaded = forward.build(tokens)
+        layout = StepLayout.build([], [], [(0, 0, tokens)], device)
         with torch.inference_mode():
-            forward(ids, layout, torch.tensor([tokens - 1], device=device))
+            forward(torch.zeros(tokens, dtype=torch.long, device=device), layout,
+                    torch.tensor([tokens - 1], device=device))  # fmt: skip
         log.info(
-            "compiled the decoder layer for %s: %.1f s (inductor cache: %s)",
+            "%s the decoder layer for %s: %.1f s (in %s)",
+            "loaded" if loaded else "compiled",
             "1 token" if tokens == 1 else "n tokens (dynamic)",
             time.perf_counter() - t0,
-            os.environ.get("TORCHINDUCTOR_CACHE_DIR", "inductor's default"),
+            forward.folder,
         )
     forward.cache.lengths[0] = 0
     return time.perf_counter() - began

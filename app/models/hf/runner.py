@@ -70,7 +70,7 @@ class HFModel:
         from app.models.hf.compiled import CompiledForward, use_cache_folder, warm_up
 
         use_cache_folder(cache_folder)
-        self._forward = CompiledForward(self._forward)
+        self._forward = CompiledForward(self._forward, cache_folder / "layers")
         warm_up(self._forward)
 
     def release(self, slot: int) -> None:
