@@ -6,20 +6,23 @@ What the compiler sees and what it does not:
 
 - It fuses the elementwise work between the matrix products (RMSNorm in float32, RoPE, the
   residual adds, SiLU-mul, the casts) into a few C++ loops per layer.
-- The matrix products stay ``Linear``'s own kernels (oneDNN's prepacked bf16 weight, torch's
-  int8/int4 kernels): each is an opaque custom op (``slotserve::linear``), so inductor neither
-  re-lays out weights nor loses the prepacking.
+- The matrix products keep ``Linear``'s kernels (``linear.product``), the layer's weights
+  being graph inputs: torch's int8/int4 kernels and ``F.linear`` are called from the graph
+  directly; oneDNN's prepacked bf16 product is an opaque custom op
+  (``slotserve::packed_linear``), since inductor lowers that op only for a constant weight.
 - The cache write and the attention stay ``llama.write_and_attend`` (an opaque custom op,
   ``slotserve::attend``): the step's ``StepLayout`` (Python ints and per-chunk masks) is not
   traced, so one graph serves every batch size and context length. The cache tensors are
-  written in place (no reallocation).
-- The layer reaches both ops as a 0-d tensor handle (``_LAYERS``), not a constant, so the 30
-  layers share one graph instead of compiling 30.
+  written in place (no reallocation). The op finds its layer by a 0-d tensor handle
+  (``_LAYERS``), so the 30 layers share one graph instead of compiling 30.
 
-Shapes: dynamo specializes a size of 1 on its own, so a start compiles two graphs (one token;
-n tokens), both run by ``warm_up`` before the model is served. Inductor caches its compiled code
-on disk (``use_cache_folder``: under the model's cache folder); a second start reuses it.
-Figures and the decisions behind this layout: docs/benchmarks.md, "Compiled forward".
+Two graphs (one token; n >= 2 tokens, dynamic) are built ahead of time with torch's
+``aot_compile`` (``CompiledForward.build``) and saved in the model's cache folder, keyed by
+torch's version, the layer's shapes and kinds and this code; a later start loads them instead
+of tracing again. A step calls them directly: no dynamo frame hook and no guards
+(``_layer`` picks the graph by token count). Inductor's own caches sit beside them
+(``use_cache_folder``). Figures and the decisions behind this layout: docs/benchmarks.md,
+"Compiled forward".
 """
 
 from __future__ import annotations

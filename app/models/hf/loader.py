@@ -146,7 +146,10 @@ def load_model(
     compiling, why = resolve(compile, device)
     log.info("compile: %s", why)
     if compiling:
-        loaded.model.compile(compiled_in)
+        try:
+            loaded.model.compile(compiled_in)
+        except Exception:  # the default is auto: a compiler that fails must not stop a start
+            log.exception("compile failed: the model runs eager (--compile off skips trying)")
     return loaded
 
 
