@@ -39,7 +39,7 @@ from app.api import faults
 from app.api.aligned_tokens import AlignedTokens
 from app.api.deps import data_parallel_rank
 from app.api.errors import APIError, InvalidField, generation_failed, model_not_found
-from app.api.streaming import sse_response, until_disconnected
+from app.api.streaming import EventStream, until_disconnected
 from app.api.tool_reader import CallReader, CallStart, Part, TextPiece, read_calls
 from app.api.tools import ToolPlan
 from app.engine.stop_strings import StopStringMatcher
@@ -521,7 +521,13 @@ async def events(run: Run, serving: Serving, shaper: EventShaper) -> AsyncIterat
 def stream_response(run: Run, serving: Serving, shaper: EventShaper) -> Response:
     """``run`` streamed as SSE: the watchdog cuts off a stalled reader and every choice is
     aborted however the response ends early."""
-    return sse_response(events(run, serving, shaper), run.streams, serving)
+    settings = serving.settings
+    return EventStream(
+        events(run, serving, shaper),
+        stall_timeout=settings.send_timeout,
+        ping=settings.sse_ping_seconds,
+        on_close=lambda: run.abort(serving),
+    )
 
 
 PRIORITY_IGNORED = "x-slotserve-priority-ignored"
