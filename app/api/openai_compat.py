@@ -17,7 +17,15 @@ from app.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIPara
 from app.api.streaming import sse_event
 from app.api.structured import requested_constraint
 from app.api.tool_reader import CallArguments, CallStart, Part, TextPiece
-from app.api.tools import ARGUMENT_FRAGMENT, ToolPlan, call_json, chat_prompt, tool_plan
+from app.api.tools import (
+    ARGUMENT_FRAGMENT,
+    ToolPlan,
+    call_json,
+    chat_prompt,
+    forced_constraint,
+    formats_set,
+    tool_plan,
+)
 from app.serving import Serving
 from app.structured.constraint import Constraint
 from app.structured.tools import ToolMode
@@ -118,7 +126,7 @@ def chat_request(
     tool under ``auto`` (False for a render, which only describes the request)."""
     plan = tool_plan(body, serving, decide=decide)
     ids = chat_prompt(body.messages, plan, serving)
-    constraint = _tool_constraint(body, plan)
+    constraint = forced_constraint(plan, formats_set(body))
     # max_completion_tokens replaces the deprecated max_tokens; it wins when both are set
     max_tokens = (
         body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
@@ -146,22 +154,6 @@ async def _transfer(
         request, serving, want, len(internal.prompt)
     )
     return note
-
-
-def _tool_constraint(
-    body: ChatCompletionRequest, plan: ToolPlan | None
-) -> tuple[Constraint | None, str] | None:
-    """The grammar of a ``required`` or named tool choice, which ``response_format`` and
-    ``structured_outputs`` cannot be combined with (None: the request's own, if any)."""
-    constraint = plan.constraint() if plan is not None else None
-    if constraint is None:
-        return None
-    for field in ("response_format", "structured_outputs"):
-        value = getattr(body, field)
-        if value is not None and getattr(value, "type", None) != "text":
-            raise InvalidField(f"{field} cannot be combined with a tool_choice that forces a "
-                               "tool call", param=field, code="invalid_request")  # fmt: skip
-    return constraint, "tools"
 
 
 def completion_prompts(body: CompletionRequest, serving: Serving) -> list[list[int]]:
@@ -256,7 +248,7 @@ def _piece(outcome: Outcome) -> Piece:
                  outcome.index, outcome.stop_sequence)  # fmt: skip
 
 
-class Shape:
+class Shape(generation.EventShaper):
     """How one route lays out its response objects: the whole reply, or its stream (an
     ``EventShaper``: chunks, the usage chunk when ``stream_options.include_usage`` asks, then
     ``[DONE]``; a failed choice ends the stream with an error object and no ``[DONE]``).
@@ -309,9 +301,6 @@ class Shape:
             out["system_fingerprint"] = FINGERPRINT
         return out
 
-    def opening(self) -> Iterable[bytes]:
-        return ()
-
     def pieces(self, piece: Piece, parts: list[Part]) -> Iterable[bytes]:
         return [sse_event(None, chunk) for chunk in self.chunks(piece, parts)]
 
@@ -323,9 +312,6 @@ class Shape:
 
     def failure(self, error: APIError) -> Iterable[bytes]:
         return [sse_event(None, error.body())]
-
-    def closed(self) -> None:
-        return None
 
     rendered: Callable[..., dict[str, Any]]
     delta: Callable[..., dict[str, Any]]

@@ -186,13 +186,8 @@ def output_constraint(
     """The grammar the output follows: a forced tool call's, or ``text.format``'s (not both:
     400), and the field that set it."""
     text = text_constraint(body)
-    forced = plan.constraint() if plan is not None else None
-    if forced is None:
-        return text, "text.format.schema"
-    if text is not None:
-        raise InvalidField("text.format cannot be combined with a tool_choice that forces a "
-                           "tool call", param="text.format", code="invalid_request")  # fmt: skip
-    return forced, "tools"
+    forced = tools.forced_constraint(plan, {"text.format": text is not None})
+    return forced or (text, "text.format.schema")
 
 
 def text_constraint(body: ResponsesRequest) -> Constraint | None:
