@@ -417,16 +417,14 @@ class ToolChatShape(ChatShape):
         self.named = run.plan.choice.mode is ToolMode.NAMED
 
     def choice(self, outcome: Outcome) -> dict[str, Any]:
-        if not outcome.calls:
-            return super().choice(outcome)
-        listed = [call_json(i, call) for i, call in enumerate(outcome.calls)]
-        for entry in listed:
-            entry.pop("index")  # a whole message's calls have no index
-        message = {"role": "assistant", "content": outcome.text or None, "tool_calls": listed}
-        return {"index": outcome.index, "message": message,
-                "finish_reason": "stop" if self.named else "tool_calls",
-                "stop_reason": outcome.stop_sequence,
-                "logprobs": self._logprobs(_piece(outcome))}  # fmt: skip
+        out = super().choice(outcome)
+        if outcome.calls:
+            listed = [call_json(i, call) for i, call in enumerate(outcome.calls)]
+            for entry in listed:
+                entry.pop("index")  # a whole message's calls have no index
+            out["message"] |= {"content": outcome.text or None, "tool_calls": listed}
+            out["finish_reason"] = "stop" if self.named else "tool_calls"
+        return out
 
     def chunks(self, piece: Piece, parts: list[Part]) -> list[dict[str, Any]]:
         deltas: list[tuple[dict[str, Any], str | None]] = [

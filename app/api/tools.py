@@ -7,7 +7,6 @@ chat's ``tool_calls`` entries (``call_json``). Calls are read back by ``app.api.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +18,7 @@ from app.structured.tools import (
     ToolMode,
     ToolSpec,
     call_constraint,
+    loaded_arguments,
     render_call,
     render_result,
     tools_prompt,
@@ -189,20 +189,13 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": message.template_role(), "content": message.text()}
     if message.tool_calls:
         out["tool_calls"] = [
-            {"id": c.id, "type": "function",
-             "function": {"name": c.function.name, "arguments": _loaded(c.function.arguments)}}
+            {"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": loaded_arguments(c.function.arguments)}}
             for c in message.tool_calls
         ]  # fmt: skip
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     return out
-
-
-def _loaded(arguments: str) -> object:
-    try:
-        return json.loads(arguments)
-    except ValueError:
-        return arguments
 
 
 # --- the reply --------------------------------------------------------------------------------
