@@ -242,12 +242,6 @@ def _logprob_ask(body: OpenAIParams, n: int) -> reply_bounds.LogprobAsk:
     return reply_bounds.LogprobAsk(n, top, prompt, chat, prompt_once=True)
 
 
-def _piece(outcome: Outcome) -> Piece:
-    """A choice's whole reply as one piece."""
-    return Piece(outcome.text, outcome.finish_reason, outcome.tokens, outcome.logprobs,
-                 outcome.index, outcome.stop_sequence)  # fmt: skip
-
-
 class Shape(generation.EventShaper):
     """How one route lays out its response objects: the whole reply, or its stream (an
     ``EventShaper``: chunks, the usage chunk when ``stream_options.include_usage`` asks, then
@@ -285,7 +279,10 @@ class Shape(generation.EventShaper):
         return out
 
     def choice(self, outcome: Outcome) -> dict[str, Any]:
-        return self.rendered(_piece(outcome))
+        """A choice of the whole reply: its outcome rendered as one piece."""
+        piece = Piece(outcome.text, outcome.finish_reason, outcome.tokens, outcome.logprobs,
+                      outcome.index, outcome.stop_sequence)  # fmt: skip
+        return self.rendered(piece)
 
     def chunks(self, piece: Piece, parts: list[Part]) -> list[dict[str, Any]]:
         """The stream chunks for one piece of the reply."""
