@@ -41,24 +41,19 @@ FINGERPRINT = f"slotserve-{version()}"  # system_fingerprint: the server and its
 @router.get("/models")
 async def list_models(serving: ServingDep) -> dict[str, Any]:
     created, name = int(serving.started_at), serving.settings.model_name
-    model = {
-        "id": name,
-        "object": "model",
-        "created": created,
-        "owned_by": "slotserve",
-        "root": name,  # vLLM's: the model's path, which we keep to ourselves (as an adapter's)
-        "parent": None,
+
+    def card(model: str, parent: str | None) -> dict[str, Any]:
+        # ``root`` is the name: vLLM shows the model's (or an adapter's) local path there, which
+        # tells any caller where the server keeps files
+        return {"id": model, "object": "model", "created": created, "owned_by": "slotserve",
+                "root": model, "parent": parent}  # fmt: skip
+
+    model = card(name, None) | {
         "max_model_len": serving.settings.max_model_len,
         "permission": [_permission(created)],  # vLLM's field, from OpenAI's former API
         "profile": serving.settings.profile,  # the GPU the step clock imitates (null: none)
     }
-    # an adapter's root is its name: vLLM shows its local path there, which tells any caller
-    # where the server keeps files
-    adapters = [
-        {"id": a.name, "object": "model", "created": int(serving.started_at),
-         "owned_by": "slotserve", "root": a.name, "parent": a.parent}
-        for a in serving.loras.adapters.values()
-    ]  # fmt: skip
+    adapters = [card(a.name, a.parent) for a in serving.loras.adapters.values()]
     return {"object": "list", "data": [model, *adapters]}
 
 
