@@ -36,7 +36,8 @@ from typing import Any
 
 from _serve import ROOT, bench, engine_commit, free_port, started
 
-ANCHORS = ROOT.parent.parent / "shared" / "bench"
+# the anchors' scripts: ../shared/bench next to this checkout unless SLOTSERVE_ANCHORS names them
+ANCHORS = Path(os.environ.get("SLOTSERVE_ANCHORS", ROOT.parent / "shared" / "bench"))
 COMMON = ["--api", "openai", "--prompt-len", "32", "--monitor", "off"]
 WORKLOADS: dict[str, list[str]] = {
     "greedy": ["--num-requests", "64", "--concurrency", "32", "--output-len", "64",
@@ -135,8 +136,8 @@ def main() -> None:
                       f"{row['tpot_p50_ms']:.1f} ms, TTFT p50 {row['ttft_p50_ms']:.0f} ms, "
                       f"failed {row['failed']}, load average before {load:.2f}",
                       flush=True)  # fmt: skip
-    if args.json:
-        args.json.write_text(json.dumps(table, indent=2) + "\n")
+                if args.json:  # after every figure: a later server's failure keeps the earlier
+                    args.json.write_text(json.dumps(table, indent=2) + "\n")
 
 
 if __name__ == "__main__":
