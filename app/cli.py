@@ -9,7 +9,7 @@ import sys
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import ValidationError
 from pydantic_core import PydanticUndefined
@@ -125,18 +125,21 @@ def check_real_model(settings: Settings) -> None:
     from app.models.hf import ModelLoadError, check_spec
 
     if settings.enable_lora:
-        print("slotserve: error: --enable-lora: LoRA adapters are simulated for the mocks only; "
-              "a real model has no LoRA weights path", file=sys.stderr)  # fmt: skip
-        raise SystemExit(2)
+        _exit("--enable-lora: LoRA adapters are simulated for the mocks only; a real model has "
+              "no LoRA weights path")  # fmt: skip
     try:
         check_spec(settings.model)
     except ModelLoadError as exc:
-        print(f"slotserve: error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        _exit(str(exc))
     if settings.enable_prefix_caching:
-        print("slotserve: error: --enable-prefix-caching: the real model's runner has no prefix "
-              "cache (only the mocks do)", file=sys.stderr)  # fmt: skip
-        raise SystemExit(2)
+        _exit("--enable-prefix-caching: the real model's runner has no prefix cache (only the "
+              "mocks do)")  # fmt: skip
+
+
+def _exit(message: str) -> NoReturn:
+    """One line on stderr, then exit status 2 (as argparse's errors)."""
+    print(f"slotserve: error: {message}", file=sys.stderr)
+    raise SystemExit(2) from None
 
 
 def serve(settings: Settings) -> None:
@@ -162,13 +165,8 @@ def serve(settings: Settings) -> None:
     )  # fmt: skip
     try:
         app = create_app(settings)
-    except (
-        UnsupportedFeatureError,
-        KVEventsError,
-        LoRAError,
-        ModelLoadError,  # --tokenizer's folder
-    ) as err:  # e.g. prefix caching on a model
-        # without it, a KV-event port in use
+    # e.g. prefix caching on a model without it, a KV-event port in use, --tokenizer's folder
+    except (UnsupportedFeatureError, KVEventsError, LoRAError, ModelLoadError) as err:
         raise SystemExit(f"slotserve: error: {err}") from None
     run(app, settings.host, settings.port, settings.log_level)
 

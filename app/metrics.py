@@ -391,6 +391,7 @@ class EngineMetrics:
         reg.register(self.itl)
         self._last_step_end: float | None = None
         self.totals = StepTotals()  # plain running sums for views that compute rates
+        # the prompt tokens' sources (each series made here, so exported at 0 from the start)
         self._computed_source = prompt_by_source.labels(model_name, "local_compute")
         self._hit_source = prompt_by_source.labels(model_name, "local_cache_hit")
         self._external_source = prompt_by_source.labels(model_name, "external_kv_transfer")
@@ -403,8 +404,6 @@ class EngineMetrics:
         # the "key" label is "" without named API keys (a named key's series start at its first use)
         export_at_zero(self.success, *[(model_name, r.value, "") for r in FinishReason])
         export_at_zero(self.rejected, *[(model_name, reason, "") for reason in REJECT_REASONS])
-        export_at_zero(prompt_by_source, *[(model_name, source) for source in (
-            "local_compute", "local_cache_hit", "external_kv_transfer")])  # fmt: skip
         export_at_zero(cached_by_source, *[(model_name, source) for source in (
             "device", "host", "p2p", "disk", "external_unspecified")])  # fmt: skip
         export_at_zero(self.admission_rejections, (model_name, "max_num_queued_reqs"),

@@ -18,7 +18,6 @@ import json
 import time
 import zlib
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
 from functools import partial
 from importlib.resources import files
 from typing import Any
@@ -30,6 +29,7 @@ from sse_starlette import EventSourceResponse
 from app.api.deps import ServingDep
 from app.api.errors import not_serving, too_many_watchers
 from app.engine.snapshot import EngineSnapshot, SlotView
+from app.metrics import StepTotals
 from app.serving import Serving
 
 FRAME_HZ = 4.0  # frames a second while watched
@@ -64,16 +64,6 @@ def rank_frame(snapshot: EngineSnapshot) -> dict[str, Any]:
     }
 
 
-@dataclass(slots=True)
-class _Rates:
-    """Totals at the previous frame, to turn running sums into rates."""
-
-    at: float
-    steps: int
-    step_seconds: float
-    generated: int
-
-
 class DashboardFeed:
     """Builds a frame every ``1 / FRAME_HZ`` s while at least one watcher is connected and
     hands each frame to every watcher (``frames``). Runs on the event loop; a frame costs
@@ -86,7 +76,7 @@ class DashboardFeed:
         self._number = 0
         self._changed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
-        self._rates: _Rates | None = None
+        self._last: tuple[float, StepTotals] | None = None  # at the previous frame, for rates
         self.ended = False  # the server stopped serving for good: streams end, none start
 
     def frame(self) -> dict[str, Any]:
@@ -95,7 +85,7 @@ class DashboardFeed:
         totals = [metrics.totals for metrics in serving.ranks.metrics]
         steps = sum(t.steps for t in totals)
         seconds = sum(t.step_seconds for t in totals)
-        generated = sum(t.generated for t in totals)
+        total = StepTotals(steps, seconds, sum(t.generated for t in totals))
         body: dict[str, Any] = {
             "model": serving.settings.model_name,
             "state": serving.state,
@@ -104,16 +94,16 @@ class DashboardFeed:
             "step_ms": None,
             "steps_per_s": None,
         }
-        last = self._rates
-        if last is not None and now > last.at:
-            span = now - last.at
-            body["tokens_per_s"] = round((generated - last.generated) / span, 1)
+        at, last = self._last or (now, total)
+        if now > at:
+            span = now - at
+            body["tokens_per_s"] = round((total.generated - last.generated) / span, 1)
             body["steps_per_s"] = round((steps - last.steps) / span, 1)
             if steps > last.steps:
                 body["step_ms"] = round(
                     1000 * (seconds - last.step_seconds) / (steps - last.steps), 3
                 )
-        self._rates = _Rates(now, steps, seconds, generated)
+        self._last = (now, total)
         return body
 
     async def frames(self) -> AsyncGenerator[bytes, None]:
@@ -134,7 +124,7 @@ class DashboardFeed:
             self.watchers -= 1
             if self.watchers == 0 and self._task is not None:
                 self._task.cancel()
-                self._task, self._rates = None, None
+                self._task, self._last = None, None
 
     def _newer_than(self, number: int) -> bool:
         return self._number != number or self.ended

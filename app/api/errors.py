@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar
 from urllib.parse import quote
 
@@ -203,25 +203,22 @@ def error_json(status: int, message: str) -> bytes:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(APIError, _api_error)
-    app.add_exception_handler(InvalidRequestError, _refused)
-    app.add_exception_handler(EngineError, _refused)
+    """The answers to errors raised below the routes: each decided here."""
+    for kind, answer in ((APIError, lambda err: err), (InvalidRequestError, invalid_request),
+                         (EngineError, refusal)):  # fmt: skip
+        app.add_exception_handler(kind, _answering(answer))
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
 
 
-async def _api_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, APIError)
-    return response_for(exc)
+def _answering(answer: Callable[[Any], APIError]) -> Callable[..., Awaitable[JSONResponse]]:
+    """An exception handler that answers ``answer(exc)``."""
 
+    async def handler(request: Request, exc: Exception) -> JSONResponse:
+        return response_for(answer(exc))
 
-async def _refused(request: Request, exc: Exception) -> JSONResponse:
-    """A request refused below the API: its HTTP answer is decided here."""
-    if isinstance(exc, InvalidRequestError):
-        return response_for(invalid_request(exc))
-    assert isinstance(exc, EngineError)
-    return response_for(refusal(exc))
+    return handler
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:

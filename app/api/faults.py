@@ -102,8 +102,11 @@ class FaultInjector:
         forced, after = self._headers(request.scope["headers"])
         seq = serving.prepare(params, id_prefix)
         failure = forced or self.draw_failure()
-        if failure is not None:
-            return self._inject(failure, seq, serving.settings, model)
+        if failure is not None:  # the request never reaches the engine
+            self._count(failure, seq)
+            if failure == "server_error":
+                return _failed_stream(seq, InjectedFailure("server_error injected by slotserve"))
+            raise _error(failure, seq, serving.settings, model)
         stream = serving.enqueue(seq, rank)
         if after is None:
             after = self._draw_break(seq) if streaming else None
@@ -139,14 +142,6 @@ class FaultInjector:
         raise InvalidField(f"the {name} header is refused: this server injects no failures on "
                            "request (start it with --allow-fault-headers to allow that)",
                            param=name, code="fault_headers_not_allowed")  # fmt: skip
-
-    def _inject(
-        self, failure: str, seq: Sequence, settings: Settings, model: str | None
-    ) -> RequestStream:
-        self._count(failure, seq)
-        if failure == "server_error":
-            return _failed_stream(seq, InjectedFailure("server_error injected by slotserve"))
-        raise _error(failure, seq, settings, model)
 
     def _break(self, serving: Serving, seq: Sequence, after: int) -> None:
         if serving.abort(seq.request_id, FinishReason.ERROR):

@@ -30,7 +30,6 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -39,7 +38,7 @@ from app.api import faults
 from app.api.aligned_tokens import AlignedTokens
 from app.api.deps import data_parallel_rank
 from app.api.errors import APIError, InvalidField, generation_failed, model_not_found
-from app.api.streaming import sse_response, until_disconnected
+from app.api.streaming import EventStream, until_disconnected
 from app.api.tool_reader import CallReader, CallStart, Part, TextPiece, read_calls
 from app.api.tools import ToolPlan
 from app.engine.stop_strings import StopStringMatcher
@@ -428,36 +427,36 @@ async def whole_reply(request: Request, run: Run, serving: Serving) -> list[Outc
         raise err.error from err
 
 
-class EventShaper(Protocol):
+class EventShaper(ABC):
     """A protocol's streamed events, as encoded SSE bytes."""
 
     def opening(self) -> Iterable[bytes]:
-        """Before any text (the protocol's start events)."""
-        ...
+        """Before any text (the protocol's start events; none by default)."""
+        return ()
 
+    @abstractmethod
     def pieces(self, piece: Piece, parts: list[Part]) -> Iterable[bytes]:
         """One piece of a choice; ``parts``: its text and tool-call parts (without tools: its
         text, if any)."""
-        ...
 
+    @abstractmethod
     def ending(self, outcomes: list[Outcome]) -> Iterable[bytes]:
         """After every choice's last piece: the protocol's end events."""
-        ...
 
+    @abstractmethod
     def failure(self, error: APIError) -> Iterable[bytes]:
         """The request ended in error mid-stream (``ModelFailed.error``: a failed model call, or
         the grammar engine giving up on its grammar): the protocol's error event(s), the
         stream's last."""
-        ...
 
     def closed(self) -> None:
         """The stream is over, however it ended (the client may have left midway)."""
-        ...
+        return None
 
 
-class PartShaper(ABC):
-    """``pieces``, ``ending`` and ``closed`` of an ``EventShaper`` for a one-choice protocol laid
-    out part by part: a subclass gives ``opening`` and ``failure``, then ``text`` (one non-empty
+class PartShaper(EventShaper):
+    """``pieces`` and ``ending`` of an ``EventShaper`` for a one-choice protocol laid out part
+    by part: a subclass gives ``opening`` and ``failure``, then ``text`` (one non-empty
     delta), ``call_start`` (a call's id and name; its arguments follow), ``call_arguments`` (a
     piece of its JSON arguments) and ``closing`` (the end events, after the last text)."""
 
@@ -469,9 +468,6 @@ class PartShaper(ABC):
     def call_arguments(self, index: int, delta: str) -> Iterable[bytes]: ...
     @abstractmethod
     def closing(self, outcome: Outcome) -> Iterable[bytes]: ...
-
-    def closed(self) -> None:
-        return None
 
     def pieces(self, piece: Piece, parts: list[Part]) -> Iterable[bytes]:
         for part in parts:
@@ -521,7 +517,13 @@ async def events(run: Run, serving: Serving, shaper: EventShaper) -> AsyncIterat
 def stream_response(run: Run, serving: Serving, shaper: EventShaper) -> Response:
     """``run`` streamed as SSE: the watchdog cuts off a stalled reader and every choice is
     aborted however the response ends early."""
-    return sse_response(events(run, serving, shaper), run.streams, serving)
+    settings = serving.settings
+    return EventStream(
+        events(run, serving, shaper),
+        stall_timeout=settings.send_timeout,
+        ping=settings.sse_ping_seconds,
+        on_close=lambda: run.abort(serving),
+    )
 
 
 PRIORITY_IGNORED = "x-slotserve-priority-ignored"

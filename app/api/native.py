@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from app.api import generation
 from app.api.deps import KeyNameDep, ServingDep
 from app.api.errors import ERROR_RESPONSES, APIError, NotFound, documented, response_for
-from app.api.generation import Outcome, Piece, Run
+from app.api.generation import EventShaper, Outcome, Piece, Run
 from app.api.schemas import GenerateRequest
 from app.api.streaming import sse_event
 from app.api.tool_reader import Part
@@ -59,15 +59,12 @@ async def cancel(request_id: str, serving: ServingDep, key_name: KeyNameDep) -> 
     return {"request_id": request_id, "cancelled": True}
 
 
-class NativeEvents:
+class NativeEvents(EventShaper):
     """``token`` events (the piece's token ids and text), then ``done`` or ``error``."""
 
     def __init__(self, run: Run, serving: Serving) -> None:
         self.run, self.serving = run, serving
         self.head = f'event: token\ndata: {{"request_id":{json.dumps(run.id)},"tokens":['
-
-    def opening(self) -> Iterable[bytes]:
-        return ()
 
     def pieces(self, piece: Piece, parts: list[Part]) -> Iterable[bytes]:
         if not (piece.tokens or piece.text):
@@ -82,9 +79,6 @@ class NativeEvents:
         yield sse_event(
             "error", error.body() | {"request_id": self.run.id, "error_code": error.code}
         )
-
-    def closed(self) -> None:
-        return None
 
 
 def done_payload(run: Run, serving: Serving) -> dict[str, Any]:

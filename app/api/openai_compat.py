@@ -17,7 +17,15 @@ from app.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIPara
 from app.api.streaming import sse_event
 from app.api.structured import requested_constraint
 from app.api.tool_reader import CallArguments, CallStart, Part, TextPiece
-from app.api.tools import ARGUMENT_FRAGMENT, ToolPlan, call_json, chat_prompt, tool_plan
+from app.api.tools import (
+    ARGUMENT_FRAGMENT,
+    ToolPlan,
+    call_json,
+    chat_prompt,
+    forced_constraint,
+    formats_set,
+    tool_plan,
+)
 from app.serving import Serving
 from app.structured.constraint import Constraint
 from app.structured.tools import ToolMode
@@ -33,24 +41,19 @@ FINGERPRINT = f"slotserve-{version()}"  # system_fingerprint: the server and its
 @router.get("/models")
 async def list_models(serving: ServingDep) -> dict[str, Any]:
     created, name = int(serving.started_at), serving.settings.model_name
-    model = {
-        "id": name,
-        "object": "model",
-        "created": created,
-        "owned_by": "slotserve",
-        "root": name,  # vLLM's: the model's path, which we keep to ourselves (as an adapter's)
-        "parent": None,
+
+    def card(model: str, parent: str | None) -> dict[str, Any]:
+        # ``root`` is the name: vLLM shows the model's (or an adapter's) local path there, which
+        # tells any caller where the server keeps files
+        return {"id": model, "object": "model", "created": created, "owned_by": "slotserve",
+                "root": model, "parent": parent}  # fmt: skip
+
+    model = card(name, None) | {
         "max_model_len": serving.settings.max_model_len,
         "permission": [_permission(created)],  # vLLM's field, from OpenAI's former API
         "profile": serving.settings.profile,  # the GPU the step clock imitates (null: none)
     }
-    # an adapter's root is its name: vLLM shows its local path there, which tells any caller
-    # where the server keeps files
-    adapters = [
-        {"id": a.name, "object": "model", "created": int(serving.started_at),
-         "owned_by": "slotserve", "root": a.name, "parent": a.parent}
-        for a in serving.loras.adapters.values()
-    ]  # fmt: skip
+    adapters = [card(a.name, a.parent) for a in serving.loras.adapters.values()]
     return {"object": "list", "data": [model, *adapters]}
 
 
@@ -118,7 +121,7 @@ def chat_request(
     tool under ``auto`` (False for a render, which only describes the request)."""
     plan = tool_plan(body, serving, decide=decide)
     ids = chat_prompt(body.messages, plan, serving)
-    constraint = _tool_constraint(body, plan)
+    constraint = forced_constraint(plan, formats_set(body))
     # max_completion_tokens replaces the deprecated max_tokens; it wins when both are set
     max_tokens = (
         body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
@@ -146,22 +149,6 @@ async def _transfer(
         request, serving, want, len(internal.prompt)
     )
     return note
-
-
-def _tool_constraint(
-    body: ChatCompletionRequest, plan: ToolPlan | None
-) -> tuple[Constraint | None, str] | None:
-    """The grammar of a ``required`` or named tool choice, which ``response_format`` and
-    ``structured_outputs`` cannot be combined with (None: the request's own, if any)."""
-    constraint = plan.constraint() if plan is not None else None
-    if constraint is None:
-        return None
-    for field in ("response_format", "structured_outputs"):
-        value = getattr(body, field)
-        if value is not None and getattr(value, "type", None) != "text":
-            raise InvalidField(f"{field} cannot be combined with a tool_choice that forces a "
-                               "tool call", param=field, code="invalid_request")  # fmt: skip
-    return constraint, "tools"
 
 
 def completion_prompts(body: CompletionRequest, serving: Serving) -> list[list[int]]:
@@ -250,13 +237,7 @@ def _logprob_ask(body: OpenAIParams, n: int) -> reply_bounds.LogprobAsk:
     return reply_bounds.LogprobAsk(n, top, prompt, chat, prompt_once=True)
 
 
-def _piece(outcome: Outcome) -> Piece:
-    """A choice's whole reply as one piece."""
-    return Piece(outcome.text, outcome.finish_reason, outcome.tokens, outcome.logprobs,
-                 outcome.index, outcome.stop_sequence)  # fmt: skip
-
-
-class Shape:
+class Shape(generation.EventShaper):
     """How one route lays out its response objects: the whole reply, or its stream (an
     ``EventShaper``: chunks, the usage chunk when ``stream_options.include_usage`` asks, then
     ``[DONE]``; a failed choice ends the stream with an error object and no ``[DONE]``).
@@ -293,7 +274,10 @@ class Shape:
         return out
 
     def choice(self, outcome: Outcome) -> dict[str, Any]:
-        return self.rendered(_piece(outcome))
+        """A choice of the whole reply: its outcome rendered as one piece."""
+        piece = Piece(outcome.text, outcome.finish_reason, outcome.tokens, outcome.logprobs,
+                      outcome.index, outcome.stop_sequence)  # fmt: skip
+        return self.rendered(piece)
 
     def chunks(self, piece: Piece, parts: list[Part]) -> list[dict[str, Any]]:
         """The stream chunks for one piece of the reply."""
@@ -309,9 +293,6 @@ class Shape:
             out["system_fingerprint"] = FINGERPRINT
         return out
 
-    def opening(self) -> Iterable[bytes]:
-        return ()
-
     def pieces(self, piece: Piece, parts: list[Part]) -> Iterable[bytes]:
         return [sse_event(None, chunk) for chunk in self.chunks(piece, parts)]
 
@@ -323,9 +304,6 @@ class Shape:
 
     def failure(self, error: APIError) -> Iterable[bytes]:
         return [sse_event(None, error.body())]
-
-    def closed(self) -> None:
-        return None
 
     rendered: Callable[..., dict[str, Any]]
     delta: Callable[..., dict[str, Any]]
@@ -431,16 +409,14 @@ class ToolChatShape(ChatShape):
         self.named = run.plan.choice.mode is ToolMode.NAMED
 
     def choice(self, outcome: Outcome) -> dict[str, Any]:
-        if not outcome.calls:
-            return super().choice(outcome)
-        listed = [call_json(i, call) for i, call in enumerate(outcome.calls)]
-        for entry in listed:
-            entry.pop("index")  # a whole message's calls have no index
-        message = {"role": "assistant", "content": outcome.text or None, "tool_calls": listed}
-        return {"index": outcome.index, "message": message,
-                "finish_reason": "stop" if self.named else "tool_calls",
-                "stop_reason": outcome.stop_sequence,
-                "logprobs": self._logprobs(_piece(outcome))}  # fmt: skip
+        out = super().choice(outcome)
+        if outcome.calls:
+            listed = [call_json(i, call) for i, call in enumerate(outcome.calls)]
+            for entry in listed:
+                entry.pop("index")  # a whole message's calls have no index
+            out["message"] |= {"content": outcome.text or None, "tool_calls": listed}
+            out["finish_reason"] = "stop" if self.named else "tool_calls"
+        return out
 
     def chunks(self, piece: Piece, parts: list[Part]) -> list[dict[str, Any]]:
         deltas: list[tuple[dict[str, Any], str | None]] = [

@@ -7,7 +7,8 @@ default; a body that refuses them sets ``extra="forbid"``) so real clients work;
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Any, Literal
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import (
     AfterValidator,
@@ -79,6 +80,17 @@ def _unicode_text(text: str) -> str:
         message = f"contains a lone surrogate {bad!r} at index {err.start}, not text"
         raise ValueError(message) from None
     return text
+
+
+class _TextPart(Protocol):
+    text: str
+
+
+def joined_text(content: str | Sequence[_TextPart] | None) -> str:
+    """A content field's text: the string itself, or its parts' texts joined (None: "")."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(part.text for part in content)
 
 
 Text = Annotated[StrictStr, AfterValidator(_unicode_text)]
@@ -283,11 +295,7 @@ class ChatMessage(BaseModel):
         return "system" if self.role == "developer" else self.role
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        return joined_text(self.content)
 
 
 class ChatCompletionRequest(OpenAIParams):

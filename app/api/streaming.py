@@ -14,8 +14,6 @@ from starlette.requests import Request
 from starlette.types import Message, Receive, Scope, Send
 
 from app.api.connection import EXTENSION
-from app.engine.stream import RequestStream
-from app.serving import Serving
 
 T = TypeVar("T")
 NO_SEND = -1  # the watchdog saw no send pending
@@ -100,7 +98,8 @@ class EventStream(EventSourceResponse):
             if self._stalled:
                 CUT_OFF.set(True)  # for HideCutOffResponses: this task returns mid-response
                 log.info("cut off a stream whose reader stalled for %.1f s", self.stall_timeout)
-                _abort_connection(scope)
+                if self._transport is not None:  # at once: a graceful close would wait for
+                    self._transport.abort()  # unread data that a stalled reader never takes
             self.on_close()
 
     def _watch(self, loop: asyncio.AbstractEventLoop, pending_send: int) -> None:
@@ -126,14 +125,6 @@ class EventStream(EventSourceResponse):
         previous = self._buffered
         self._buffered = buffered = self._transport.get_write_buffer_size()
         return previous is not None and previous - buffered >= MIN_PROGRESS_BYTES
-
-
-def _abort_connection(scope: Scope) -> None:
-    """Drop a cut-off stream's connection at once: a graceful close would wait for the unread
-    data to flush, which a client that stopped reading never lets happen."""
-    transport = scope.get("extensions", {}).get(EXTENSION, {}).get("transport")
-    if transport is not None:
-        transport.abort()
 
 
 CUT_OFF: ContextVar[bool] = ContextVar("slotserve_cut_off", default=False)
@@ -162,31 +153,6 @@ def _is_cancellation(err: BaseException) -> bool:
     if isinstance(err, BaseExceptionGroup):
         return all(_is_cancellation(e) for e in err.exceptions)
     return isinstance(err, asyncio.CancelledError)
-
-
-def sse_response(
-    events: AsyncIterator[bytes],
-    stream: RequestStream | list[RequestStream],
-    serving: Serving,
-) -> EventSourceResponse:
-    """Stream ``events`` for ``stream``'s request (or several: the choices of one request).
-    sse-starlette watches for the client's ``http.disconnect`` and ends the response; a reader
-    that stops reading is cut off after ``send_timeout`` (see ``EventStream``). Either way
-    every request still unfinished is aborted."""
-    settings = serving.settings
-    streams = stream if isinstance(stream, list) else [stream]
-
-    def abort_if_unfinished() -> None:
-        for each in streams:
-            if each.view.finish_reason is None:
-                serving.abort(each.request_id)
-
-    return EventStream(
-        events,
-        stall_timeout=settings.send_timeout,
-        ping=settings.sse_ping_seconds,
-        on_close=abort_if_unfinished,
-    )
 
 
 async def wait_for_disconnect(receive: Receive) -> None:

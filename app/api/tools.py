@@ -7,7 +7,6 @@ chat's ``tool_calls`` entries (``call_json``). Calls are read back by ``app.api.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +18,7 @@ from app.structured.tools import (
     ToolMode,
     ToolSpec,
     call_constraint,
+    loaded_arguments,
     render_call,
     render_result,
     tools_prompt,
@@ -52,18 +52,38 @@ def tool_plan(
     body: ChatCompletionRequest, serving: Serving, decide: bool = True
 ) -> ToolPlan | None:
     """The chat request's tool plan (None: no tools offered), checked (``plan_tools``;
-    ``decide`` as there)."""
+    ``decide`` as there, and off when a reply format governs the content: a mock then answers
+    instead of calling)."""
     field = body.tool_choice
     choice, name = (
         ("function", field.function.name) if isinstance(field, NamedToolChoice) else (field, None)
     )
-    formatted = any(
-        value is not None and getattr(value, "type", None) != "text"
-        for value in (body.response_format, body.structured_outputs)
-    )  # a reply format governs the content: a mock then answers instead of calling
     parallel = body.parallel_tool_calls is not False
     tools = [_spec(tool) for tool in body.tools or []]
+    formatted = any(formats_set(body).values())
     return plan_tools(tools, choice, name, parallel, serving, decide=decide and not formatted)
+
+
+def formats_set(body: ChatCompletionRequest) -> dict[str, bool]:
+    """Whether each of chat's reply-format fields asks for a format other than plain text."""
+    values = {field: getattr(body, field) for field in ("response_format", "structured_outputs")}
+    return {f: v is not None and getattr(v, "type", None) != "text" for f, v in values.items()}
+
+
+def forced_constraint(
+    plan: ToolPlan | None, formats: dict[str, bool]
+) -> tuple[Constraint | None, str] | None:
+    """The grammar of a ``required`` or named tool choice and its field (``tools``); None when
+    the choice forces no call. 400 when one of ``formats`` (a reply-format field: whether it
+    is set) is set too: the two cannot be combined."""
+    constraint = plan.constraint() if plan is not None else None
+    if constraint is None:
+        return None
+    for field, is_set in formats.items():
+        if is_set:
+            raise InvalidField(f"{field} cannot be combined with a tool_choice that forces a "
+                               "tool call", param=field, code="invalid_request")  # fmt: skip
+    return constraint, "tools"
 
 
 # each protocol's tool choices (OpenAI's, Anthropic's) as modes
@@ -169,20 +189,13 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": message.template_role(), "content": message.text()}
     if message.tool_calls:
         out["tool_calls"] = [
-            {"id": c.id, "type": "function",
-             "function": {"name": c.function.name, "arguments": _loaded(c.function.arguments)}}
+            {"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": loaded_arguments(c.function.arguments)}}
             for c in message.tool_calls
         ]  # fmt: skip
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     return out
-
-
-def _loaded(arguments: str) -> object:
-    try:
-        return json.loads(arguments)
-    except ValueError:
-        return arguments
 
 
 # --- the reply --------------------------------------------------------------------------------

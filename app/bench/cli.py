@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -273,10 +273,8 @@ def _report(
     args: argparse.Namespace, output: RunOutput, slo: dict[str, float], console: Console
 ) -> int:
     report.print_summary(Console(), output, slo)
-    setup: dict[str, Any] = {
-        k: v for k, v in vars(args).items() if k not in ("api_key", "json", "report", "header")
-    }
-    setup = {k: v if _plain(v) else str(v) for k, v in setup.items()}
+    hidden = ("api_key", "json", "report", "header")
+    setup = {k: v if _plain(v) else str(v) for k, v in vars(args).items() if k not in hidden}
     if args.json is not None:
         report.write_json(args.json, report.document(output, slo, setup))
         console.print(f"wrote {args.json}")

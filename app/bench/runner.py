@@ -316,6 +316,17 @@ def _share(total: int | None, workers: int, index: int) -> int | None:
     return max(1, total // workers + (1 if index < total % workers else 0))
 
 
+@dataclass(frozen=True, slots=True)
+class _Shared:
+    """What the parent and its forked workers share: the workers' messages, ``go`` (start
+    sending), ``halt`` (stop early: module doc) and ``start``, the common start instant."""
+
+    messages: Queue[tuple[str, Any]]
+    go: Event
+    halt: Event
+    start: Any  # a shared double (multiprocessing.Value)
+
+
 def _run_forked(
     config: RunConfig,
     specs: Sequence[RequestSpec],
@@ -323,23 +334,12 @@ def _run_forked(
     progress: Progress | None,
 ) -> RunOutput:
     context = multiprocessing.get_context("fork")  # before any thread or event loop exists
-    messages: Queue[tuple[str, Any]] = context.Queue()
-    go, halt = context.Event(), context.Event()  # start sending; stop early (module doc)
-    start = context.Value("d", 0.0)
+    shared = _Shared(context.Queue(), context.Event(), context.Event(), context.Value("d", 0.0))
     n = config.workers
     processes = [
         context.Process(
             target=_worker_main,
-            args=(
-                config,
-                specs[i::n],
-                warmup[i::n],
-                _share(config.concurrency, n, i),
-                messages,
-                go,
-                halt,
-                start,
-            ),
+            args=(config, specs[i::n], warmup[i::n], _share(config.concurrency, n, i), shared),
             daemon=True,
         )
         for i in range(n)
@@ -347,7 +347,7 @@ def _run_forked(
     for process in processes:
         process.start()
     try:
-        return asyncio.run(_parent(config, specs, processes, messages, go, halt, start, progress))
+        return asyncio.run(_parent(config, specs, processes, shared, progress))
     except BaseException:  # given up (a second signal) or failed: the workers' work is lost
         for process in processes:
             process.kill()
@@ -363,26 +363,23 @@ async def _parent(
     config: RunConfig,
     specs: Sequence[RequestSpec],
     processes: Sequence[BaseProcess],
-    messages: Queue[tuple[str, Any]],
-    go: Event,
-    halt: Event,
-    start: Any,
+    shared: _Shared,
     progress: Progress | None,
 ) -> RunOutput:
     books = _Books(config)
     ready, outputs = 0, list[WorkerOutput]()
 
     stop = asyncio.Event()
-    with stop_on_signals(stop, halt.set):  # the workers ignore signals: the parent tells them
+    with stop_on_signals(stop, shared.halt.set):  # the workers ignore signals: the parent says
         while len(outputs) < config.workers:
             if stop.is_set() and not books.started:  # nothing measured yet: nothing to report
                 raise Interrupted
-            kind, payload = await _next_message(messages, processes)
+            kind, payload = await _next_message(shared.messages, processes)
             if kind == "ready":
                 ready += 1
                 if ready == config.workers:
-                    start.value = await books.begin()
-                    go.set()
+                    shared.start.value = await books.begin()
+                    shared.go.set()
             elif kind == "done" and progress is not None:
                 progress(payload)
             elif kind == "output":
@@ -412,17 +409,16 @@ def _worker_main(
     specs: Sequence[RequestSpec],
     warmup: Sequence[RequestSpec],
     concurrency: int | None,
-    messages: Queue[tuple[str, Any]],
-    go: Event,
-    halt: Event,
-    start: Any,
+    shared: _Shared,
 ) -> None:
+    messages, go, halt = shared.messages, shared.go, shared.halt
+
     async def ready() -> float:
         messages.put(("ready", None))
         # a process-shared Event: polled, since a thread blocked on it could not be stopped
         while not go.wait(0) and not halt.is_set():  # noqa: ASYNC110
             await asyncio.sleep(0.01)
-        return float(start.value)
+        return float(shared.start.value)
 
     def done(result: RequestResult) -> None:
         messages.put(("done", RequestResult(result.index, result.group, 0, status=result.status)))

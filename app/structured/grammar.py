@@ -306,15 +306,10 @@ class GrammarMatcher:
         vocabulary: each is a token, the only one allowed at its step). If llguidance refused
         its own forced bytes (it never should), the matcher is broken: it then allows only
         EOS, and the request ends with an error."""
-        forced = self._matcher.compute_ff_bytes()
-        if not forced:
-            return False
-        run: list[int] = list(forced)
-        if not self._matcher.consume_tokens(run):  # (one call: half the cost of a checked
-            return False  # ``try_consume_tokens``, a quarter of a call per token)
-        run.reverse()
-        self._ahead = run
-        return True
+        run = consume_forced(self._matcher)
+        if run:
+            self._ahead = run[::-1]
+        return bool(run)
 
     def _rotate(self, mask: bytes) -> int:
         """EOS if allowed, else (every other call) the first allowed closing token, else an
@@ -439,12 +434,7 @@ class GrammarCompiler:
         """With a byte vocabulary, consume the bytes the grammar forces at its start (the
         ``{"name":"`` of a JSON object) into ``template`` once, so that each request's copy
         starts with them ahead instead of computing them (~5 us); they are returned."""
-        if not self._byte_tokens:
-            return ()
-        forced: list[int] = list(template.compute_ff_bytes())
-        if not forced or not template.consume_tokens(forced):  # (never refused: forced)
-            return ()
-        return tuple(forced)
+        return tuple(consume_forced(template)) if self._byte_tokens else ()
 
     def _keep(self, constraint: Constraint, kept: tuple[Any, tuple[int, ...]]) -> None:
         """Cache a compiled grammar, evicting the least recently used past the bounds."""
@@ -456,6 +446,14 @@ class GrammarCompiler:
             while len(self._templates) > TEMPLATES or self._template_bytes > TEMPLATE_BYTES:
                 old, _ = self._templates.popitem(last=False)
                 self._template_bytes -= len(old.source)
+
+
+def consume_forced(matcher: Any) -> list[int]:
+    """The bytes the grammar forces next (a byte vocabulary: each a token), consumed by
+    ``matcher``; [] if none, or if llguidance refused its own forced bytes (it never should)."""
+    forced: list[int] = list(matcher.compute_ff_bytes())
+    # (one call: half the cost of a checked ``try_consume_tokens``, a quarter of a call per token)
+    return forced if forced and matcher.consume_tokens(forced) else []
 
 
 def limit_reason(message: str) -> str:

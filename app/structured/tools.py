@@ -187,12 +187,17 @@ def tools_prompt(tools: list[ToolSpec], choice: ToolChoice) -> str:
     return text
 
 
+def loaded_arguments(arguments: str) -> object:
+    """A call's JSON arguments as a value (text that is not JSON: as it is)."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
 def render_call(call: ToolCall) -> str:
     """An earlier assistant call as the default format's text (for the conversation)."""
-    try:
-        arguments: object = json.loads(call.arguments)
-    except ValueError:
-        arguments = call.arguments
+    arguments = loaded_arguments(call.arguments)
     body = json.dumps({"name": call.name, "arguments": arguments}, ensure_ascii=False)
     return f"{OPEN}\n{body}\n{CLOSE}"
 

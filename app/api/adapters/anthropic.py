@@ -53,7 +53,7 @@ async def messages(
     """Generate one assistant message (streamed with ``stream: true``)."""
     plan = tool_plan(body, serving, decide=True)
     internal = generation.InternalRequest(
-        prompt=prompt_ids(body, plan, serving), max_tokens=body.max_tokens,
+        prompt=tools.chat_prompt(chat_messages(body), plan, serving), max_tokens=body.max_tokens,
         sampling=body.sampling(), stop_strings=list(body.stop_sequences),
         priority=body.priority, user=body.user(), model=body.model, stream=body.stream,
         id_prefix="msg", tools=plan, constraint=plan.constraint() if plan else None,
@@ -76,7 +76,7 @@ async def count_tokens(body: CountTokensRequest, serving: ServingDep) -> dict[st
     """The prompt's length in tokens, as ``/v1/messages`` would send it to the model."""
     generation.adapter(serving, body.model)  # the served model or a LoRA adapter, else 404
     plan = tool_plan(body, serving, decide=False)
-    return {"input_tokens": len(prompt_ids(body, plan, serving))}
+    return {"input_tokens": len(tools.chat_prompt(chat_messages(body), plan, serving))}
 
 
 def tool_plan(body: CountTokensRequest, serving: Serving, decide: bool) -> ToolPlan | None:
@@ -101,11 +101,6 @@ def _spec(tool: ToolDef, index: int) -> ToolSpec:
         raise InvalidField("a tool needs input_schema", param=f"tools.{index}.input_schema",
                            code="missing")  # fmt: skip
     return ToolSpec(tool.name, tool.description or "", tool.input_schema)
-
-
-def prompt_ids(body: CountTokensRequest, plan: ToolPlan | None, serving: Serving) -> list[int]:
-    """The conversation through the model's chat template, tools offered as on chat."""
-    return tools.chat_prompt(chat_messages(body), plan, serving)
 
 
 def chat_messages(body: CountTokensRequest) -> list[ChatMessage]:

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, StrictStr
 
-from app.api.schemas import FunctionName, NonEmptyText, Priority, Text, UserName
+from app.api.schemas import FunctionName, NonEmptyText, Priority, Text, UserName, joined_text
 from app.models.protocol import SamplingParams
 
 
@@ -35,9 +35,7 @@ class ToolResultBlock(BaseModel):
     is_error: bool = False
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(block.text for block in self.content)
+        return joined_text(self.content)
 
 
 Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
@@ -85,11 +83,7 @@ class CountTokensRequest(BaseModel):
     tool_choice: ToolChoiceDef | None = None
 
     def system_text(self) -> str:
-        if self.system is None:
-            return ""
-        if isinstance(self.system, str):
-            return self.system
-        return "".join(block.text for block in self.system)
+        return joined_text(self.system)
 
 
 class MessagesRequest(CountTokensRequest):

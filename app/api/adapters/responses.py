@@ -96,7 +96,7 @@ async def create(
         entry.task = asyncio.create_task(_background(run, serving, shape, entry, store))
         response = JSONResponse(entry.response)
     elif body.stream:
-        keep = _keeper(store, entry) if body.store else _discard
+        keep: Keep = _keeper(store, entry) if body.store else lambda final, outcome: None
         if body.store:
             entry.response = shape.object("in_progress")
             store.put(entry)  # GET sees it while it streams
@@ -186,13 +186,8 @@ def output_constraint(
     """The grammar the output follows: a forced tool call's, or ``text.format``'s (not both:
     400), and the field that set it."""
     text = text_constraint(body)
-    forced = plan.constraint() if plan is not None else None
-    if forced is None:
-        return text, "text.format.schema"
-    if text is not None:
-        raise InvalidField("text.format cannot be combined with a tool_choice that forces a "
-                           "tool call", param="text.format", code="invalid_request")  # fmt: skip
-    return forced, "tools"
+    forced = tools.forced_constraint(plan, {"text.format": text is not None})
+    return forced or (text, "text.format.schema")
 
 
 def text_constraint(body: ResponsesRequest) -> Constraint | None:
@@ -301,10 +296,6 @@ def _keeper(store: ResponseStore, entry: Stored) -> Keep:
     return keep
 
 
-def _discard(final: dict[str, Any], outcome: generation.Outcome | None) -> None:
-    return None
-
-
 async def _background(
     run: generation.Run, serving: Serving, shape: ResponseShape, entry: Stored,
     store: ResponseStore,
@@ -352,6 +343,7 @@ class ResponseShape:
     ) -> dict[str, Any]:  # fmt: skip
         body = self.body
         fmt = body.text.format.echo() if body.text and body.text.format else None
+        named = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedChoice) else None
         # as vLLM: ``text`` and ``metadata`` echo the request (null when not sent), no ``store``
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
@@ -364,7 +356,7 @@ class ResponseShape:
             "temperature": body.temperature, "top_p": 1.0 if body.top_p is None else body.top_p,
             "presence_penalty": body.presence_penalty or 0.0,
             "frequency_penalty": body.frequency_penalty or 0.0, "service_tier": "auto",
-            "tool_choice": _dumped(body.tool_choice) or ("auto" if body.tools else "none"),
+            "tool_choice": named or body.tool_choice or ("auto" if body.tools else "none"),
             "tools": [tool.model_dump(exclude_none=True) for tool in body.tools],
             "text": None if body.text is None else {"format": fmt}, "truncation": "disabled",
             "usage": usage, "user": body.user, "metadata": body.metadata, "top_logprobs": self.top,
@@ -441,10 +433,6 @@ def _usage(outcome: generation.Outcome) -> dict[str, Any]:
                                   "tool_output_tokens_per_turn": []},
         "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
     }  # fmt: skip
-
-
-def _dumped(value: Any) -> Any:
-    return value.model_dump() if isinstance(value, NamedChoice) else value
 
 
 class ResponseEvents(generation.PartShaper):

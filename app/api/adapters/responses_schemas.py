@@ -16,6 +16,7 @@ from app.api.schemas import (
     Text,
     TopLogprobs,
     UserName,
+    joined_text,
 )
 from app.models.protocol import SamplingParams
 
@@ -43,9 +44,7 @@ class MessageItem(BaseModel):
     content: Text | list[TextPart]
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        return joined_text(self.content)
 
 
 class FunctionCallItem(BaseModel):
@@ -65,9 +64,7 @@ class FunctionCallOutputItem(BaseModel):
     output: Text | list[TextPart]
 
     def text(self) -> str:
-        if isinstance(self.output, str):
-            return self.output
-        return "".join(part.text for part in self.output)
+        return joined_text(self.output)
 
 
 def _item_type(value: Any) -> str | None:
