@@ -186,7 +186,7 @@ class CompiledForward(LlamaForward):
         """What a saved graph depends on: torch's version, the layer's shapes, dtypes and
         matrix kinds, and the source of the modules traced into it."""
         arch = dataclasses.replace(self.arch, hf_config=None, num_layers=0, vocab_size=0)
-        shapes = [None if t is None else (tuple(t.shape[1:]), t.dtype) for t in inputs]
+        shapes = [None if t is None else (tuple(t.shape), t.dtype) for t in inputs]
         parts = [torch.__version__, repr(arch), repr(shapes), repr(self._kinds)]
         for name in TRACED_MODULES:
             parts.append(inspect.getsource(sys.modules[f"app.models.hf.{name}"]))
