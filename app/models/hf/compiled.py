@@ -184,10 +184,11 @@ class CompiledForward(LlamaForward):
 
     def _key(self, inputs: tuple[torch.Tensor | None, ...]) -> str:
         """What a saved graph depends on: torch's version, the layer's shapes, dtypes and
-        matrix kinds, and the source of the modules traced into it."""
+        matrix kinds, torch's thread count, and the source of the modules traced into it."""
         arch = dataclasses.replace(self.arch, hf_config=None, num_layers=0, vocab_size=0)
         shapes = [None if t is None else (tuple(t.shape), t.dtype) for t in inputs]
         parts = [torch.__version__, repr(arch), repr(shapes), repr(self._kinds)]
+        parts.append(f"{torch.get_num_threads()} threads")  # inductor's loops bake it in
         for name in TRACED_MODULES:
             parts.append(inspect.getsource(sys.modules[f"app.models.hf.{name}"]))
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
