@@ -188,7 +188,7 @@ class CompiledForward(LlamaForward):
         arch = dataclasses.replace(self.arch, hf_config=None, num_layers=0, vocab_size=0)
         shapes = [None if t is None else (tuple(t.shape), t.dtype) for t in inputs]
         parts = [torch.__version__, repr(arch), repr(shapes), repr(self._kinds)]
-        parts.append(f"{torch.get_num_threads()} threads")  # inductor plans its parallel loops by it
+        parts.append(f"{torch.get_num_threads()} threads")  # inductor plans its loops by it
         for name in TRACED_MODULES:
             parts.append(inspect.getsource(sys.modules[f"app.models.hf.{name}"]))
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
