@@ -166,11 +166,11 @@ class CompiledForward(LlamaForward):
                 self._use(tokens, graph)
                 return True
         traced = _layer_function(dataclasses.replace(self.arch, hf_config=None), self._kinds)
+        options: dict[str, Any] = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+        if tokens == 1:  # one row's loops are too small to share: no OpenMP region to wake
+            options["cpp.threads"] = 1
         compiling: Any = torch.compile(  # no guards: ``_layer`` picks the graph itself
-            traced,
-            dynamic=True,
-            fullgraph=True,
-            options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
+            traced, dynamic=True, fullgraph=True, options=options
         )
         graph = compiling.aot_compile((inputs, {}))
         self.folder.mkdir(parents=True, exist_ok=True)
