@@ -146,10 +146,10 @@ class Settings(BaseSettings):
         "Q4_1) matrices; activations and KV cache stay in --dtype",
     )
     compile: Literal["off", "auto"] = Field(
-        "off",
+        "auto",
         description="real model, CPU: auto compiles the decoder layer with torch.compile "
-        "(inductor) at start when a C++ compiler is present, cached under the model's cache "
-        "folder; off: eager (default: compiled measured no faster, docs/benchmarks.md)",
+        "(inductor) at start when a C++ compiler is present (a first start ~15-90 s, later "
+        "starts load it from the model's cache folder in ~2 s); off: eager",
     )
     kv_cache_memory: ByteSize = Field(
         ByteSize(2 << 30),

@@ -4,6 +4,7 @@ their command line, the model load, and the timer."""
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 from collections.abc import Callable
 
@@ -22,7 +23,9 @@ def parser(description: str) -> argparse.ArgumentParser:
 
 
 def load(args: argparse.Namespace) -> LoadedModel:
-    """SmolLM2 with 32 slots of 512 positions, as ``args`` (from ``parser``) say."""
+    """SmolLM2 with 32 slots of 512 positions, as ``args`` (from ``parser``) say; the
+    loader's log (dtype, compile times) goes to stderr."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     return load_model("smollm2", dtype=args.dtype, num_slots=32, max_model_len=512,
                       kv_cache_memory=1 << 30, threads=args.threads,
                       quantization=args.quantization, compile=args.compile)  # fmt: skip

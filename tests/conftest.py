@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
@@ -17,6 +18,9 @@ from app.models.protocol import Model
 from app.serving import Serving
 
 ClientFactory = Callable[..., AbstractAsyncContextManager[httpx.AsyncClient]]
+# A real model that tests do not load to test compiling runs eager (``--compile`` defaults to
+# auto): tests/models/test_hf_compile.py compiles on purpose; the rest would pay a compile.
+os.environ.setdefault("SLOTSERVE_COMPILE", "off")
 
 # Modules that need torch as soon as they are imported (a real model in every test). Tests of a
 # real model elsewhere carry the ``real_model`` mark. ``pytest --mock-only`` (``make test-fast``)

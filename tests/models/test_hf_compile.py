@@ -2,10 +2,12 @@
 a tiny random Llama in float32: the same greedy tokens through slots, chunked prefill and
 preemption, logits within 1e-4 (float32 rounding: inductor fuses and reorders the RMSNorm and
 RoPE arithmetic), the seeded-request guarantee, no compile after the start's warm-up, the
-compiled code cached under the model's cache folder, and the eager path where no compiler is."""
+compiled code cached under the model's cache folder and loaded by a second start, and the
+eager path where no compiler is or compiling fails."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -131,11 +133,19 @@ def test_seeded_request_gets_the_same_tokens_whatever_the_batch_compiled(
     assert len(set(alone)) > 3
 
 
-def test_compiled_code_is_cached_under_the_model_cache_folder(
-    compiled: LoadedModel, cache_dir: Path
+def test_compiled_code_is_cached_under_the_model_cache_folder_and_a_second_start_loads_it(
+    compiled: LoadedModel, checkpoint: Path, cache_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     folder = cache_dir / "inductor-cache"
     assert folder.is_dir() and any(folder.rglob("*.py"))
+    with caplog.at_level(logging.INFO, logger="slotserve.model"):
+        again = load(checkpoint, cache_dir, "auto")
+    assert caplog.text.count("loaded the decoder layer") == 2, caplog.text
+    assert "compiled the decoder layer" not in caplog.text
+    prefill = StepBatch([], [], [], [], [PrefillChunk(0, [5, 6, 7], 0, True, GREEDY, "x")])
+    for model in (compiled.model, again.model):
+        model.release(0)
+    assert again.model.step_logits(prefill).equal(compiled.model.step_logits(prefill))
 
 
 def test_auto_runs_eager_without_a_compiler(
@@ -146,6 +156,20 @@ def test_auto_runs_eager_without_a_compiler(
     monkeypatch.delenv("CXX", raising=False)
     compiling, why = resolve("auto", "cpu")
     assert not compiling and "no C++ compiler" in why
+    loaded = load(checkpoint, cache_dir, "auto")
+    assert not isinstance(loaded.model._forward, CompiledForward)
+    assert loaded.model.step(
+        StepBatch([], [], [], [], [PrefillChunk(0, [5, 6], 0, True, GREEDY, "x")])
+    )
+
+
+def test_a_failed_compile_leaves_the_eager_forward(
+    checkpoint: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(forward: CompiledForward) -> float:
+        raise RuntimeError("the C++ compiler crashed")
+
+    monkeypatch.setattr("app.models.hf.compiled.warm_up", broken)
     loaded = load(checkpoint, cache_dir, "auto")
     assert not isinstance(loaded.model._forward, CompiledForward)
     assert loaded.model.step(

@@ -6,41 +6,51 @@ What the compiler sees and what it does not:
 
 - It fuses the elementwise work between the matrix products (RMSNorm in float32, RoPE, the
   residual adds, SiLU-mul, the casts) into a few C++ loops per layer.
-- The matrix products stay ``Linear``'s own kernels (oneDNN's prepacked bf16 weight, torch's
-  int8/int4 kernels): each is an opaque custom op (``slotserve::linear``), so inductor neither
-  re-lays out weights nor loses the prepacking.
+- The matrix products keep ``Linear``'s kernels (``linear.product``), the layer's weights
+  being graph inputs: torch's int8/int4 kernels and ``F.linear`` are called from the graph
+  directly; oneDNN's prepacked bf16 product is an opaque custom op
+  (``slotserve::packed_linear``), since inductor lowers that op only for a constant weight.
 - The cache write and the attention stay ``llama.write_and_attend`` (an opaque custom op,
   ``slotserve::attend``): the step's ``StepLayout`` (Python ints and per-chunk masks) is not
   traced, so one graph serves every batch size and context length. The cache tensors are
-  written in place (no reallocation).
-- The layer reaches both ops as a 0-d tensor handle (``_LAYERS``), not a constant, so the 30
-  layers share one graph instead of compiling 30.
+  written in place (no reallocation). The op finds its layer by a 0-d tensor handle
+  (``_LAYERS``), so the 30 layers share one graph instead of compiling 30.
 
-Shapes: dynamo specializes a size of 1 on its own, so a start compiles two graphs (one token;
-n tokens), both run by ``warm_up`` before the model is served. Inductor caches its compiled code
-on disk (``use_cache_folder``: under the model's cache folder); a second start reuses it.
-Figures and the decisions behind this layout: docs/benchmarks.md, "Compiled forward".
+Two graphs (one token; n >= 2 tokens, dynamic) are built ahead of time with torch's
+``aot_compile`` (``CompiledForward.build``) and saved in the model's cache folder, keyed by
+torch's version, the layer's shapes and kinds and this code; a later start loads them instead
+of tracing again. A step calls them directly: no dynamo frame hook and no guards
+(``_layer`` picks the graph by token count). Inductor's own caches sit beside them
+(``use_cache_folder``). Figures and the decisions behind this layout: docs/benchmarks.md,
+"Compiled forward".
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import inspect
 import logging
 import os
 import shutil
+import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from app.models.hf.attention import StepLayout
-from app.models.hf.linear import Linear
+from app.models.hf.config import ArchConfig
+from app.models.hf.linear import product
 from app.models.hf.llama import LayerWeights, LlamaForward, block, write_and_attend
 
 log = logging.getLogger("slotserve.model")
 
-RECOMPILE_LIMIT = 64  # graphs per process (a test suite loads many model shapes)
 WHICH = ("qkv", "out", "gate_up", "down")
+TRACED_MODULES = ("attention", "compiled", "linear", "llama", "rope")  # a saved graph's source
 
 # A layer handle's forward and layer index; entries live as long as the process (a server
 # loads one model; a test process a few tiny ones).
@@ -82,16 +92,16 @@ def use_cache_folder(folder: Path) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
 
 
-@torch.library.custom_op("slotserve::linear", mutates_args=())
-def _linear_op(x: torch.Tensor, layer: torch.Tensor, which: int, width: int) -> torch.Tensor:
-    forward, index = _LAYERS[int(layer)]
-    linear: Linear = getattr(forward.weights.layers[index], WHICH[which])
-    return linear(x)
+@torch.library.custom_op("slotserve::packed_linear", mutates_args=())
+def _packed_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return product("packed", x, weight, None, bias)
 
 
-@_linear_op.register_fake
-def _(x: torch.Tensor, layer: torch.Tensor, which: int, width: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], width)
+@_packed_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 @torch.library.custom_op("slotserve::attend", mutates_args=())
@@ -110,23 +120,24 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) ->
 
 class CompiledForward(LlamaForward):
     """``LlamaForward`` whose decoder layer (``llama.block``) runs compiled: one graph shared
-    by every layer, the layer named to the opaque ops by a 0-d tensor handle rather than a
-    constant baked into the graph, so a start compiles two graphs (one token; several). Same
-    inputs and results as the eager forward up to float rounding (tests/test_hf_compile.py)."""
+    by every layer (the layer's tensors are its inputs; the attention op finds the layer by a
+    0-d tensor handle), two graphs in all (one token; several), built by ``build`` before the
+    first step. Same inputs and results as the eager forward up to float rounding
+    (tests/models/test_hf_compile.py)."""
 
-    def __init__(self, eager: LlamaForward) -> None:
+    def __init__(self, eager: LlamaForward, folder: Path) -> None:
         super().__init__(eager.arch, eager.weights, eager.rope, eager.cache)
         self.layout: StepLayout | None = None
+        self.folder = folder
         with _REGISTRY_LOCK:
             first = len(_LAYERS)
             _LAYERS.extend((self, i) for i in range(len(self.weights.layers)))
         self._handles = [torch.tensor(first + i) for i in range(len(self.weights.layers))]
-        layer = self.weights.layers[0]
-        self._widths = {name: getattr(layer, name).out_features for name in WHICH}
-        dynamo = torch._dynamo.config
-        dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
-        dynamo.fail_on_recompile_limit_hit = True  # never a silent fall back to eager
-        self._compiled = torch.compile(self._traced, dynamic=True, fullgraph=True)
+        kinds = [{name: getattr(y, name).kind for name in WHICH} for y in self.weights.layers]
+        self._kinds = kinds[0]
+        if any(k != self._kinds for k in kinds):
+            raise ValueError("the compiled forward needs every layer's matrices stored alike")
+        self._graphs: dict[bool, Callable[..., torch.Tensor]] = {}  # one token? -> graph
 
     def __call__(
         self, tokens: torch.Tensor, layout: StepLayout, logit_rows: torch.Tensor
@@ -137,6 +148,60 @@ class CompiledForward(LlamaForward):
         finally:
             self.layout = None
 
+    def build(self, tokens: int) -> bool:
+        """Makes the graph for ``tokens`` (1: the one-token graph; 2: every count above 1):
+        loaded from ``folder`` if a start compiled it before (same torch, shapes and source
+        code), else compiled and saved there. Returns whether it was loaded."""
+        device = self.weights.embed.device
+        positions = torch.arange(tokens, device=device)
+        inputs = self._inputs(0, self.weights.embed[positions], *self.rope.tables(positions))
+        path = self.folder / f"layer-{self._key(inputs)}-{'1' if tokens == 1 else 'n'}.bin"
+        if path.is_file():
+            try:
+                with path.open("rb") as file:
+                    graph: Any = torch.compiler.load_compiled_function(file, f_globals=globals())
+            except Exception as exc:  # any unreadable artifact: compile it again
+                log.warning("compiled layer %s unusable (%s): compiling it again", path, exc)
+            else:
+                self._use(tokens, graph)
+                return True
+        traced = _layer_function(dataclasses.replace(self.arch, hf_config=None), self._kinds)
+        options: dict[str, Any] = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+        if tokens == 1:  # one row's loops are too small to share: no OpenMP region to wake
+            options["cpp.threads"] = 1
+        compiling: Any = torch.compile(  # no guards: ``_layer`` picks the graph itself
+            traced, dynamic=True, fullgraph=True, options=options
+        )
+        graph = compiling.aot_compile((inputs, {}))
+        self.folder.mkdir(parents=True, exist_ok=True)
+        graph.save_compiled_function(str(path))
+        self._use(tokens, graph)
+        return False
+
+    def _use(self, tokens: int, graph: Any) -> None:
+        graph.disable_guard_check()  # it has none: ``_layer`` picks the graph by token count
+        self._graphs[tokens == 1] = graph
+
+    def _key(self, inputs: tuple[torch.Tensor | None, ...]) -> str:
+        """What a saved graph depends on: torch's version, the layer's shapes, dtypes and
+        matrix kinds, torch's thread count, and the source of the modules traced into it."""
+        arch = dataclasses.replace(self.arch, hf_config=None, num_layers=0, vocab_size=0)
+        shapes = [None if t is None else (tuple(t.shape), t.dtype) for t in inputs]
+        parts = [torch.__version__, repr(arch), repr(shapes), repr(self._kinds)]
+        parts.append(f"{torch.get_num_threads()} threads")  # inductor plans its loops by it
+        for name in TRACED_MODULES:
+            parts.append(inspect.getsource(sys.modules[f"app.models.hf.{name}"]))
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+    def _inputs(
+        self, index: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        """Layer ``index``'s graph inputs: ``_traced``'s arguments."""
+        layer = self.weights.layers[index]
+        matrices = [t for name in WHICH for t in getattr(layer, name).tensors()]
+        return (self._handles[index], layer.input_norm, layer.post_norm, hidden, cos, sin,
+                *matrices)  # fmt: skip
+
     def _layer(
         self,
         index: int,
@@ -146,52 +211,61 @@ class CompiledForward(LlamaForward):
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> torch.Tensor:
-        out: torch.Tensor = self._compiled(
-            self._handles[index], layer.input_norm, layer.post_norm, hidden, cos, sin
-        )
-        return out
+        graph = self._graphs[hidden.shape[0] == 1]
+        return graph(*self._inputs(index, hidden, cos, sin))
 
-    def _traced(
-        self,
+
+def _layer_function(arch: ArchConfig, kinds: dict[str, str]) -> Callable[..., torch.Tensor]:
+    """The function ``torch.compile`` traces: ``llama.block`` over a layer's tensors (its
+    arguments; ``CompiledForward._inputs``), the matrices applied as ``kinds`` says. It closes
+    over ``arch`` and ``kinds`` only (both picklable: the compiled graph is saved with them)."""
+
+    def layer(
         handle: torch.Tensor,
         input_norm: torch.Tensor,
         post_norm: torch.Tensor,
         hidden: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        *matrices: torch.Tensor | None,
     ) -> torch.Tensor:
-        widths = self._widths
-
         def linear(name: str, x: torch.Tensor) -> torch.Tensor:
-            out: torch.Tensor = torch.ops.slotserve.linear(
-                x, handle, WHICH.index(name), widths[name]
-            )
-            return out
+            i = WHICH.index(name) * 3
+            weight, scales, bias = matrices[i : i + 3]
+            assert weight is not None
+            if kinds[name] == "packed":  # oneDNN's call stays opaque (see the module doc)
+                out: torch.Tensor = torch.ops.slotserve.packed_linear(x, weight, bias)
+                return out
+            return product(kinds[name], x, weight, scales, bias)
 
         def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             out: torch.Tensor = torch.ops.slotserve.attend(q, k, v, handle)
             return out
 
-        return block(self, input_norm, post_norm, hidden, cos, sin, linear, attention)
+        return block(arch, input_norm, post_norm, hidden, cos, sin, linear, attention)
+
+    return layer
 
 
 def warm_up(forward: CompiledForward) -> float:
-    """Compiles the decoder layer's two graphs (one token: a lone decode step; any other
-    count: dynamic) by running a step of each size on slot 0, which it leaves empty. Logs
-    each graph's time and returns the total seconds."""
+    """Builds the decoder layer's two graphs (``CompiledForward.build``: one token; any other
+    count) and runs a step of each size on slot 0, which it leaves empty. Logs each graph's
+    time and whether it came from the cache; returns the total seconds."""
     began = time.perf_counter()
     device = forward.weights.embed.device
     for tokens in (1, 2):
-        layout = StepLayout.build([], [], [(0, 0, tokens)], device)
-        ids = torch.zeros(tokens, dtype=torch.long, device=device)
         t0 = time.perf_counter()
+        loaded = forward.build(tokens)
+        layout = StepLayout.build([], [], [(0, 0, tokens)], device)
         with torch.inference_mode():
-            forward(ids, layout, torch.tensor([tokens - 1], device=device))
+            forward(torch.zeros(tokens, dtype=torch.long, device=device), layout,
+                    torch.tensor([tokens - 1], device=device))  # fmt: skip
         log.info(
-            "compiled the decoder layer for %s: %.1f s (inductor cache: %s)",
+            "%s the decoder layer for %s: %.1f s (in %s)",
+            "loaded" if loaded else "compiled",
             "1 token" if tokens == 1 else "n tokens (dynamic)",
             time.perf_counter() - t0,
-            os.environ.get("TORCHINDUCTOR_CACHE_DIR", "inductor's default"),
+            forward.folder,
         )
     forward.cache.lengths[0] = 0
     return time.perf_counter() - began

@@ -71,19 +71,34 @@ class Linear:
             self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor
-        if self.kind == "packed":
-            out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-            return out
-        if self.kind == "none":
-            return F.linear(x, self.weight, self.bias)
-        if self.kind == "int8":
-            out = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
-        else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x, self.weight, INT4_GROUP, self.scales
-            )
-        return out if self.bias is None else out + self.bias
+        return product(self.kind, x, self.weight, self.scales, self.bias)
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(weight, scales, bias)`` as ``product`` takes them after ``self.kind``."""
+        return self.weight, self.scales, self.bias
+
+
+def product(
+    kind: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """``x @ W.T + b`` for a ``Linear`` of ``kind`` stored as ``weight`` (and ``scales``): the
+    one implementation, called eagerly by ``Linear`` and traced by the compiled forward (where
+    the tensors are graph inputs, so one graph serves every layer)."""
+    out: torch.Tensor
+    if kind == "packed":
+        out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return out
+    if kind == "none":
+        return F.linear(x, weight, bias)
+    if kind == "int8":
+        out = torch.ops.aten._weight_int8pack_mm(x, weight, scales)
+    else:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, INT4_GROUP, scales)
+    return out if bias is None else out + bias
 
 
 def _int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -111,8 +111,6 @@ class LlamaForward:
         self.weights = weights
         self.rope = rope
         self.cache = cache
-        self.q_width = arch.num_heads * arch.head_dim
-        self.kv_width = arch.num_kv_heads * arch.head_dim
 
     def __call__(
         self, tokens: torch.Tensor, layout: StepLayout, logit_rows: torch.Tensor
@@ -144,7 +142,9 @@ class LlamaForward:
         def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return write_and_attend(self.cache, index, q, k, v, layout)
 
-        return block(self, layer.input_norm, layer.post_norm, hidden, cos, sin, linear, attention)
+        return block(
+            self.arch, layer.input_norm, layer.post_norm, hidden, cos, sin, linear, attention
+        )
 
 
 Product = Callable[[str, torch.Tensor], torch.Tensor]  # a layer's matrix by name, applied
@@ -152,7 +152,7 @@ Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def block(
-    forward: LlamaForward,
+    arch: ArchConfig,
     input_norm: torch.Tensor,
     post_norm: torch.Tensor,
     hidden: torch.Tensor,
@@ -164,11 +164,9 @@ def block(
     """One pre-norm decoder layer: ``linear(name, x)`` applies the layer's ``qkv``, ``out``,
     ``gate_up`` or ``down`` matrix; ``attention(q, k, v)`` stores k and v in the cache and
     returns (tokens, heads * head_dim)."""
-    arch = forward.arch
+    kv_width = arch.num_kv_heads * arch.head_dim
     x = rms_norm(hidden, input_norm, arch.rms_norm_eps)
-    qk, v = torch.split(
-        linear("qkv", x), [forward.q_width + forward.kv_width, forward.kv_width], -1
-    )
+    qk, v = torch.split(linear("qkv", x), [arch.num_heads * arch.head_dim + kv_width, kv_width], -1)
     # queries and keys rotate together: one RoPE over (tokens, heads + kv_heads, head_dim)
     qk = Rope.apply(qk.view(-1, arch.num_heads + arch.num_kv_heads, arch.head_dim), cos, sin)
     q, k = torch.split(qk, [arch.num_heads, arch.num_kv_heads], dim=1)

@@ -105,7 +105,8 @@ def load_model(
     sets torch's CPU threads for the process; OpenMP waits passively (``prepare_openmp``).
     ``quantization`` ``int8``/``int4`` stores the weight matrices so (``Linear``; CPU only).
     ``compile`` ``auto`` runs the decoder layers compiled (``compiled.CompiledForward``) when a
-    C++ compiler is present, compiling before this returns (cached in the model's cache folder).
+    C++ compiler is present, compiling (or loading from the model's cache folder) before this
+    returns; eager if that fails. Off by default here; the server's ``--compile`` is auto.
     Raises ``ModelLoadError`` with a one-line reason for anything a user can fix."""
     from app.models.hf.threads import prepare_openmp
 
@@ -146,7 +147,10 @@ def load_model(
     compiling, why = resolve(compile, device)
     log.info("compile: %s", why)
     if compiling:
-        loaded.model.compile(compiled_in)
+        try:
+            loaded.model.compile(compiled_in)
+        except Exception:  # the default is auto: a compiler that fails must not stop a start
+            log.exception("compile failed: the model runs eager (--compile off skips trying)")
     return loaded
 
 

@@ -66,12 +66,13 @@ class HFModel:
     def compile(self, cache_folder: Path) -> None:
         """Switches to the compiled forward (``compiled.CompiledForward``) and compiles it now
         (``compiled.warm_up``), its code cached in ``cache_folder``. Logs what it compiled and
-        how long it took."""
+        how long it took. Raises whatever compiling raised, the eager forward still in place."""
         from app.models.hf.compiled import CompiledForward, use_cache_folder, warm_up
 
         use_cache_folder(cache_folder)
-        self._forward = CompiledForward(self._forward)
-        warm_up(self._forward)
+        compiled = CompiledForward(self._forward, cache_folder / "layers")
+        warm_up(compiled)
+        self._forward = compiled  # only once it runs: a failed compile leaves the eager one
 
     def release(self, slot: int) -> None:
         self.cache.lengths[slot] = 0
