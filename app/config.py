@@ -160,8 +160,9 @@ class Settings(BaseSettings):
     torch_threads: int = Field(
         0,
         ge=0,
-        description="real model: torch CPU threads (0: torch's default, all cores; OpenMP "
-        "waits passively unless OMP_WAIT_POLICY is set)",
+        description="real model: torch CPU threads (0: chosen per model call, one thread for "
+        "a call of at most 8 tokens, all cores above; OpenMP waits passively unless "
+        "OMP_WAIT_POLICY is set)",
     )
     model_cache_dir: str | None = Field(
         None, description="real model: where SmolLM2 is converted once (unset: ~/.cache/slotserve)"

@@ -141,6 +141,25 @@ def test_torch_threads_are_set_when_asked(checkpoint: Path) -> None:
         torch.set_num_threads(before)
 
 
+def test_left_to_the_server_a_small_call_runs_on_one_thread_and_a_large_one_on_all() -> None:
+    import torch
+
+    from app.models.hf.threads import SMALL_STEP, StepThreads, step_threads
+
+    assert step_threads(1, 1) is None and step_threads(2, 2) is None  # the user chose
+    assert step_threads(0, 1) is None  # one core: nothing to choose
+    before = torch.get_num_threads()
+    try:
+        chooser = step_threads(0, 2)
+        assert isinstance(chooser, StepThreads)
+        chooser.fit(SMALL_STEP)
+        assert torch.get_num_threads() == 1
+        chooser.fit(SMALL_STEP + 1)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_real_model_is_served_under_its_name_unless_one_is_given(checkpoint: Path) -> None:
     from app.config import Settings
     from app.serving.loading import named

@@ -136,7 +136,7 @@ def load_model(
     go_offline()
     from app.models.hf.compiled import resolve
     from app.models.hf.dtype import resolve_dtype
-    from app.models.hf.threads import set_threads
+    from app.models.hf.threads import set_threads, step_threads
 
     used = set_threads(threads)
     dtype, why = resolve_dtype(dtype, device)
@@ -144,6 +144,7 @@ def load_model(
     loaded = _load_folder(
         folder, name, dtype, device, num_slots, max_model_len, kv_cache_memory, quantization
     )
+    loaded.model.threads = step_threads(threads, used)
     compiling, why = resolve(compile, device)
     log.info("compile: %s", why)
     if compiling:

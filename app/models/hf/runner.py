@@ -17,6 +17,7 @@ from app.models.hf.attention import StepLayout
 from app.models.hf.kv_cache import KVCache
 from app.models.hf.llama import LlamaForward
 from app.models.hf.sampling import Sampler
+from app.models.hf.threads import StepThreads
 from app.models.hf.token_mask import apply_token_masks
 from app.models.protocol import (
     NO_TOKEN,
@@ -43,6 +44,7 @@ class HFModel:
     blocking = True
     applies_token_masks = True  # samples under StepBatch.token_masks (structured outputs)
     copies_slots = True  # starts a fork from another slot's cache (PrefillChunk.prefix_slot)
+    threads: StepThreads | None = None  # torch's thread count per call (--torch-threads 0)
 
     def __init__(self, forward: LlamaForward, sampler: Sampler) -> None:
         self._forward = forward
@@ -178,6 +180,8 @@ class HFModel:
                 if count:
                     prompt_rows.append((chunk, count))
                     rows.extend(range(offset, offset + count))
+        if self.threads is not None:
+            self.threads.fit(len(tokens))
         with torch.inference_mode():
             logits = self._forward(
                 torch.tensor(tokens, device=self.device),

@@ -10,6 +10,9 @@ the event loop gets the core, and the op's stragglers run instead of spinners.
 
 ``OMP_WAIT_POLICY`` is read once, when libgomp starts (the first ``import torch``): the server
 sets it before loading the model; a value the user set wins.
+
+With the thread count left to the server (``--torch-threads 0``) it is chosen per model call
+(``StepThreads``): a call of a few tokens runs on one thread, a larger one on every core.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import sys
 log = logging.getLogger("slotserve.model")
 
 WAIT_POLICY = "PASSIVE"
+SMALL_STEP = 8  # tokens: a model call of at most this many runs on one thread
 
 
 def prepare_openmp() -> str:
@@ -40,3 +44,31 @@ def set_threads(threads: int) -> int:
     if threads > 0:
         torch.set_num_threads(threads)
     return int(torch.get_num_threads())
+
+
+class StepThreads:
+    """Torch's intra-op thread count chosen per model call when the user left it to the
+    server: one thread for a call of at most ``SMALL_STEP`` tokens (a few decode rows), all
+    ``cores`` above (docs/benchmarks.md, "Threads and the event loop"). A small call's products
+    are too small to share, and each of its ~150 parallel regions would wake a sleeping team
+    member; a large call's products do gain from the second core. ``fit`` is called by the
+    thread that runs the model, before each call; it sets torch's count only when it changes."""
+
+    def __init__(self, cores: int) -> None:
+        self.cores = cores
+        self._current = cores
+
+    def fit(self, tokens: int) -> None:
+        """Sets the thread count for a call of ``tokens`` tokens."""
+        wanted = 1 if tokens <= SMALL_STEP else self.cores
+        if wanted != self._current:
+            import torch
+
+            torch.set_num_threads(wanted)
+            self._current = wanted
+
+
+def step_threads(threads: int, used: int) -> StepThreads | None:
+    """The per-call chooser when ``--torch-threads`` is 0 and torch has several cores (``used``
+    threads); None when the user fixed the count or there is one core."""
+    return StepThreads(used) if threads == 0 and used > 1 else None
