@@ -155,7 +155,7 @@ class CompiledForward(LlamaForward):
         device = self.weights.embed.device
         positions = torch.arange(tokens, device=device)
         inputs = self._inputs(0, self.weights.embed[positions], *self.rope.tables(positions))
-        path = self.folder / f"layer-{self._key(inputs)}-{'1' if tokens == 1 else 'n'}.bin"
+        path = self.folder / f"layer-{self._key(inputs, tokens)}-{'1' if tokens == 1 else 'n'}.bin"
         if path.is_file():
             try:
                 with path.open("rb") as file:
@@ -182,13 +182,15 @@ class CompiledForward(LlamaForward):
         graph.disable_guard_check()  # it has none: ``_layer`` picks the graph by token count
         self._graphs[tokens == 1] = graph
 
-    def _key(self, inputs: tuple[torch.Tensor | None, ...]) -> str:
+    def _key(self, inputs: tuple[torch.Tensor | None, ...], tokens: int) -> str:
         """What a saved graph depends on: torch's version, the layer's shapes, dtypes and
-        matrix kinds, torch's thread count, and the source of the modules traced into it."""
+        matrix kinds, the thread count it is built for (1 for the one-token graph, else
+        torch's), and the source of the modules traced into it."""
         arch = dataclasses.replace(self.arch, hf_config=None, num_layers=0, vocab_size=0)
         shapes = [None if t is None else (tuple(t.shape), t.dtype) for t in inputs]
         parts = [torch.__version__, repr(arch), repr(shapes), repr(self._kinds)]
-        parts.append(f"{torch.get_num_threads()} threads")  # inductor plans its loops by it
+        threads = 1 if tokens == 1 else torch.get_num_threads()  # inductor plans loops by it
+        parts.append(f"{threads} threads")
         for name in TRACED_MODULES:
             parts.append(inspect.getsource(sys.modules[f"app.models.hf.{name}"]))
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]

@@ -36,13 +36,18 @@ def prepare_openmp() -> str:
     return policy
 
 
+_torch_default: list[int] = []  # torch's own count, read before anything here changed it
+
+
 def set_threads(threads: int) -> int:
-    """Sets torch's intra-op threads when ``threads`` > 0 (``--torch-threads``); returns the
-    number torch uses."""
+    """Sets torch's intra-op threads to ``threads`` when > 0 (``--torch-threads``), else back
+    to torch's own default (a per-call chooser of an earlier load may have left it at 1);
+    returns the number torch uses."""
     import torch
 
-    if threads > 0:
-        torch.set_num_threads(threads)
+    if not _torch_default:
+        _torch_default.append(torch.get_num_threads())
+    torch.set_num_threads(threads if threads > 0 else _torch_default[0])
     return int(torch.get_num_threads())
 
 
