@@ -209,7 +209,8 @@ class Scheduler:
             return True
         if seq.fork_of is not None and not self._may_fork(seq, seq.fork_of):
             seq.fork_of = None
-        set_status(seq, WAITING)
+        if seq.status is not WAITING:  # (a new request is)
+            set_status(seq, WAITING)
         self.waiting.push(seq)
         if self.policy is not None:
             self.policy.on_queued(seq, now, new=True)
@@ -305,7 +306,7 @@ class Scheduler:
         self._decoding_planned = True
         budget = self._budget - len(decoding)
         budget = self._chunk_prefills(out, budget) if self._prefilling else budget
-        if self.slots.num_free and self.waiting:
+        if self.waiting and self.slots.num_free:
             budget = self._admit(out, budget, now)
         while len(self._prefilling) > 1 and out.empty:  # prefills that filled the cache
             self._preempt_youngest_prefill(now)
@@ -473,51 +474,29 @@ class Scheduler:
         if static and self.slots.occupied:
             return budget
         # Static batching fills every slot at once (later steps prefill what the budget left).
-        policy = self.policy
+        policy, waiting, slots = self.policy, self.waiting, self.slots
         loras = self._running_loras() if self.config.max_loras is not None else None
-        while (budget > 0 or static) and self.waiting and self.slots.num_free:
-            seq = self.waiting.peek() if policy is None else policy.select(self.waiting, now)
-            if (loras is not None or seq.fork_of is not None) and not self._may_start(seq, loras):
-                found = self._first_fitting(policy, loras, now)
+        general = loras is not None or self.prefix_cache is not None or self._count_blocks
+        while (budget > 0 or static) and waiting and slots.num_free:
+            seq = waiting.peek() if policy is None else policy.select(waiting, now)
+            start = 0  # a request that fits whole, from position 0, needs nothing more
+            if general or seq.fork_of is not None or seq.remote_tokens:
+                found = self._admission_start(out, seq, policy, loras, now)
                 if found is None:
-                    break  # every waiting request needs another adapter, or waits for its fork
-                seq = found
-            start = self._fork_start(seq) if seq.fork_of is not None else 0
-            if seq.remote_tokens and seq.times.admitted is None:  # its KV arrived: computed
-                start = max(start, min(seq.remote_tokens, seq.prompt_len - 1))
-            hits = self._cached_prefix(seq, start) if self.prefix_cache is not None else []
-            # the cost in free blocks: cached blocks nobody uses, and a fork's own copies of
-            # the prompt blocks the cache does not share
-            cost = sum(1 for block in hits if block.refs == 0) if hits else 0
-            if start:  # a fork's copies, or the blocks a producer sent
-                cost += self.books.blocks_for(start) - len(hits)
-            if self._count_blocks and not self.books.room(start, self._free_blocks - cost):
-                break  # the cache is full: it waits (first come, first served)
+                    break
+                seq, start = found
             if policy is None:
-                self.waiting.remove(seq.request_id)  # the head, or the first that may start
+                waiting.remove(seq.request_id)  # the head, or the first that may start
             else:
                 self._take(policy, seq, now)
-            if loras is not None and seq.lora is not None:
-                self._load_lora(out, seq.lora, loras)
-            self.slots.allocate(seq)
+            slots.allocate(seq)
             set_status(seq, RUNNING)
-            seq.prefilled = start or len(hits) * self.books.block_size
-            seq.prefill_target = len(seq.tokens)
-            self._free_blocks -= cost
-            if self.prefix_cache is not None:
-                self.prefix_cache.acquire(seq, hits)
-                # a resume's re-lookup is not a query, nor is a request that skips the cache
-                # (prompt log probabilities), as in vLLM
-                if seq.times.admitted is None and seq.prompt_logprobs is None:
-                    out.prefix_queries += seq.prompt_len
-                    out.prefix_hits += len(hits) * self.books.block_size
+            seq.prefilled, seq.prefill_target = start, len(seq.tokens)
             self._admissions += 1
             seq.admission = self._admissions
             if seq.times.admitted is None:  # its first admission (not a resume)
                 seq.times.admitted = now
                 out.admitted.append(seq)
-                if seq.remote_tokens:  # (the cached blocks among them count as hits)
-                    out.remote_tokens += start - len(hits) * self.books.block_size
             else:
                 out.resumed.append(seq)
             self._prefilling.append(seq)
@@ -526,6 +505,47 @@ class Scheduler:
                 self._unstarted.add(seq.request_id)
             budget -= size
         return budget
+
+    def _admission_start(
+        self, out: SchedulerOutput, seq: Sequence, policy: Policy | None,
+        loras: set[str] | None, now: float,
+    ) -> tuple[Sequence, int] | None:  # fmt: skip
+        """The part of admitting ``seq`` beyond a slot: an adapter rule or a fork's wait (then
+        the request admitted is the first that may start), a fork's or a producer's computed
+        positions, the prefix cache's blocks, a KV cache that may be full. Returns the request
+        and the position its prefill starts at, its blocks and adapter taken; None if no
+        request may start or the cache has no room (it waits: first come, first served)."""
+        if (loras is not None or seq.fork_of is not None) and not self._may_start(seq, loras):
+            found = self._first_fitting(policy, loras, now)
+            if found is None:
+                return None  # every waiting request needs another adapter, or waits for its fork
+            seq = found
+        first = seq.times.admitted is None
+        start = self._fork_start(seq) if seq.fork_of is not None else 0
+        if seq.remote_tokens and first:  # its KV arrived: computed
+            start = max(start, min(seq.remote_tokens, seq.prompt_len - 1))
+        hits = self._cached_prefix(seq, start) if self.prefix_cache is not None else []
+        # the cost in free blocks: cached blocks nobody uses, and a fork's own copies of
+        # the prompt blocks the cache does not share
+        cost = sum(1 for block in hits if block.refs == 0) if hits else 0
+        if start:  # a fork's copies, or the blocks a producer sent
+            cost += self.books.blocks_for(start) - len(hits)
+        if self._count_blocks and not self.books.room(start, self._free_blocks - cost):
+            return None
+        if loras is not None and seq.lora is not None:
+            self._load_lora(out, seq.lora, loras)
+        self._free_blocks -= cost
+        cached = len(hits) * self.books.block_size
+        if self.prefix_cache is not None:
+            self.prefix_cache.acquire(seq, hits)
+            # a resume's re-lookup is not a query, nor is a request that skips the cache
+            # (prompt log probabilities), as in vLLM
+            if first and seq.prompt_logprobs is None:
+                out.prefix_queries += seq.prompt_len
+                out.prefix_hits += cached
+        if seq.remote_tokens and first:  # (the cached blocks among them count as hits)
+            out.remote_tokens += start - cached
+        return seq, start or cached
 
     def _first_fitting(
         self, policy: Policy | None, loras: set[str] | None, now: float
@@ -633,8 +653,10 @@ class Scheduler:
         self, out: SchedulerOutput, result: ModelOutput, outcome: StepOutcome
     ) -> None:
         tokens, index, now = result.tokens, len(out.decode_seqs), outcome.ended_at
+        unavailable, prompt_logprobs = result.unavailable_slots, result.prompt_logprobs
+        cache, generated = self.prefix_cache, 0
         for seq, chunk in zip(out.prefill_seqs, out.prefills, strict=True):
-            if result.unavailable_slots and not result.ran(chunk):  # its slot could not be
+            if unavailable and not result.ran(chunk):  # its slot could not be
                 if seq.status is RUNNING:  # reset: back to the queue (no preemption)
                     was = PREEMPTED if seq.num_preemptions else WAITING
                     self._requeue(seq, was, now)
@@ -644,26 +666,27 @@ class Scheduler:
             if seq.status is not RUNNING:
                 continue  # aborted or preempted while the model ran
             seq.prefilled = chunk.start + len(chunk.token_ids)
-            if self.prefix_cache is not None:
-                self.prefix_cache.publish(seq)
-            if result.prompt_logprobs is not None and not seq.prompt_logprobs_done:
-                _store_prompt_logprobs(seq, result.prompt_logprobs.get(seq.request_id))
+            if cache is not None:
+                cache.publish(seq)
+            if prompt_logprobs is not None and not seq.prompt_logprobs_done:
+                _store_prompt_logprobs(seq, prompt_logprobs.get(seq.request_id))
             if token is None:
                 continue
             self._prefilling.remove(seq)
             self._start_decoding(seq)  # it decodes from the next step on
             if seq.times.first_token is None:
                 seq.times.first_token = now
+            generated += 1
             if (  # no end rule applies: the test of ``_apply_decodes``, and no missing token
                 token != NO_TOKEN
                 and token not in seq.stop_token_ids
                 and len(seq.tokens) < seq.fast_until
             ):
                 seq.tokens.append(token)
-                outcome.num_generated += 1
                 continue
             logprob = None if result.logprobs is None else result.logprobs[index - 1]
-            outcome.num_generated += 1 - self._append(seq, token, now, outcome.finished, logprob)
+            generated -= self._append(seq, token, now, outcome.finished, logprob)
+        outcome.num_generated += generated
 
     def _append(
         self,
