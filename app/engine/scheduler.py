@@ -32,8 +32,10 @@ losing nothing but time.
 from __future__ import annotations
 
 from bisect import bisect
+from collections import deque
 from dataclasses import dataclass
 from enum import StrEnum
+from heapq import heapify, heappop, heappush
 from operator import attrgetter
 
 from app.engine.errors import NoTokenLeftError
@@ -60,6 +62,8 @@ from app.models.protocol import NO_TOKEN, Logprobs, PrefillChunk
 UNBOUNDED = 1 << 62  # a token budget or KV capacity that never binds
 _admission = attrgetter("admission")
 _slot = attrgetter("slot")
+_APPEND = list.append
+_consume = deque[None](maxlen=0).extend  # runs an iterator to its end at C speed
 
 
 class BatchingPolicy(StrEnum):
@@ -169,6 +173,15 @@ class Scheduler:
         self._decoding_tokens: list[list[int]] = []
         self._decoding_planned = False
         self._unplain = self._constrained = 0
+        # A step whose decodes need no end rule appends their tokens at C speed: none needs
+        # them for every token (``_slow_decodes``), all share the stop set ``_stops`` (the
+        # others: ``_odd_stops``) and it holds none of the step's tokens, and no request
+        # reaches its last token: ``_deadlines`` is a heap of (the update at which a decode
+        # needs the end rules, its admission, it), counted in updates (``_updates``), stale
+        # entries left in until their update passes
+        self._slow_decodes = self._odd_stops = self._updates = 0
+        self._stops: frozenset[int] = frozenset()
+        self._deadlines: list[tuple[int, int, Sequence]] = []
         self._released: list[int] = []
         self._preempted: list[Sequence] = []
         self._free_blocks = UNBOUNDED  # while planning a step: blocks not yet handed out
@@ -292,9 +305,8 @@ class Scheduler:
         docstring for the order). A policy may first preempt one running request for a waiting
         one, when every slot is busy."""
         policy = self.policy
-        if self.holds:
-            self.holds.expire(now)
-        if policy is not None and self.waiting and not self.slots.num_free:
+        self.holds.expire(now)
+        if policy is not None and self.waiting.by_id and not self.slots.free:
             self._preempt_for_waiting(policy, now)
         if self._count_blocks:
             decoding = self._decodes_that_fit(now)
@@ -306,7 +318,7 @@ class Scheduler:
         self._decoding_planned = True
         budget = self._budget - len(decoding)
         budget = self._chunk_prefills(out, budget) if self._prefilling else budget
-        if self.waiting and self.slots.num_free:
+        if self.waiting.by_id and self.slots.free:  # (no Python call: they run every step)
             budget = self._admit(out, budget, now)
         while len(self._prefilling) > 1 and out.empty:  # prefills that filled the cache
             self._preempt_youngest_prefill(now)
@@ -345,6 +357,7 @@ class Scheduler:
         if len(tokens) != expected:
             raise ValueError(f"{len(tokens)} tokens for a step that samples {expected}")
         outcome = StepOutcome(out, now)
+        self._updates += 1
         outcome.num_decode_generated = self._apply_decodes(out, tokens, outcome, result.logprobs)
         if out.prefills:
             self._apply_prefills(out, result, outcome)
@@ -365,12 +378,21 @@ class Scheduler:
         """``seq`` is past its prefill: it joins the decode list, and unless it needs the full
         end rules for every token, its tokens take the fast path until its last."""
         decoding, tokens = self._decode_lists()
+        if not decoding:
+            self._stops = seq.stop_token_ids
         index = bisect(decoding, seq.slot, key=_slot)
         decoding.insert(index, seq)
         tokens.insert(index, seq.tokens)
         self._unplain += not seq.sampling.plain
         self._constrained += seq.constraint is not None
-        seq.fast_until = 0 if seq.slow or seq.constraint is not None else seq.token_limit - 1
+        self._odd_stops += seq.stop_token_ids != self._stops
+        fast_until = 0 if seq.slow or seq.constraint is not None else seq.token_limit - 1
+        seq.fast_until = fast_until
+        if not fast_until:
+            self._slow_decodes += 1
+        else:  # (its first token is appended after this, in this update)
+            deadline = self._updates + fast_until - len(seq.tokens)
+            heappush(self._deadlines, (deadline, seq.admission, seq))
 
     def _decode_lists(self) -> tuple[list[Sequence], list[list[int]]]:
         """The decode list and its token lists, to be changed in place: copies of them first
@@ -477,7 +499,7 @@ class Scheduler:
         policy, waiting, slots = self.policy, self.waiting, self.slots
         loras = self._running_loras() if self.config.max_loras is not None else None
         general = loras is not None or self.prefix_cache is not None or self._count_blocks
-        while (budget > 0 or static) and waiting and slots.num_free:
+        while (budget > 0 or static) and waiting.by_id and slots.free:
             seq = waiting.peek() if policy is None else policy.select(waiting, now)
             start = 0  # a request that fits whole, from position 0, needs nothing more
             if general or seq.fork_of is not None or seq.remote_tokens:
@@ -629,14 +651,23 @@ class Scheduler:
         logprobs: list[Logprobs | None] | None,
     ) -> int:
         """The hot path: one token for each decoding request. Returns the tokens applied."""
+        seqs, deadlines = out.decode_seqs, self._deadlines
+        if (  # no request joined or left since the plan, and none needs the end rules
+            seqs is self._decoding
+            and not self._slow_decodes
+            and not self._odd_stops
+            and (not deadlines or deadlines[0][0] > self._updates)
+            and self._stops.isdisjoint(tokens)
+        ):
+            _consume(map(_APPEND, out.decode_inputs, tokens))  # (``tokens`` goes on with the
+            outcome.num_generated += len(seqs)  # prefills': ``map`` stops at the decodes')
+            return len(seqs)
         finished, now = outcome.finished, outcome.ended_at
-        seqs = out.decode_seqs
         skipped = dropped = 0
-        # (tokens: then the prefills' tokens) a token needs the end rules if it is a stop token
-        # or the request's last, or if the request needs them for every token or has left its
-        # slot (``fast_until``: 0); the log probabilities are looked up only for those tokens.
-        # Each request's token list comes from ``decode_inputs`` (the same list as
-        # ``seq.tokens``), walked beside it: an attribute read less per token
+        # a token needs the end rules if it is a stop token or the request's last, or if the
+        # request needs them for every token or has left its slot (``fast_until``: 0); the log
+        # probabilities are looked up only for those tokens. Each request's token list comes
+        # from ``decode_inputs`` (the same list as ``seq.tokens``), walked beside it
         logprob = None if logprobs is None else dict(zip(seqs, logprobs, strict=False)).get
         for seq, prefix, token in zip(seqs, out.decode_inputs, tokens, strict=False):
             if token in seq.stop_token_ids or len(prefix) >= seq.fast_until:
@@ -646,8 +677,23 @@ class Scheduler:
                     dropped += self._append(seq, token, now, finished, logprob and logprob(seq))
             else:
                 prefix.append(token)  # one token, not the last: the request has computed it
+        self._expire_deadlines()
         outcome.num_generated += len(seqs) - skipped - dropped
         return len(seqs) - skipped
+
+    def _expire_deadlines(self) -> None:
+        """Drop the deadlines due by this update (their requests have ended: a decode's last
+        token ends it), or re-file one still decoding; drop stale ones when they outnumber
+        the decodes."""
+        deadlines, update = self._deadlines, self._updates
+        while deadlines and deadlines[0][0] <= update:
+            _, admission, seq = heappop(deadlines)
+            if seq.fast_until and seq.admission == admission:  # (not expected)
+                due = max(update, update + seq.fast_until - len(seq.tokens)) + 1
+                heappush(deadlines, (due, admission, seq))
+        if len(deadlines) > 2 * len(self._decoding) + 32:
+            deadlines[:] = [d for d in deadlines if d[2].fast_until and d[2].admission == d[1]]
+            heapify(deadlines)
 
     def _apply_prefills(
         self, out: SchedulerOutput, result: ModelOutput, outcome: StepOutcome
@@ -795,6 +841,8 @@ class Scheduler:
             del decoding[index], tokens[index]
             self._unplain -= not seq.sampling.plain
             self._constrained -= seq.constraint is not None
+            self._odd_stops -= seq.stop_token_ids != self._stops
+            self._slow_decodes -= not seq.fast_until
             seq.fast_until = 0
         self._released.append(self.slots.release(seq))
         seq.prefilled = 0
