@@ -651,16 +651,16 @@ class Scheduler:
         logprobs: list[Logprobs | None] | None,
     ) -> int:
         """The hot path: one token for each decoding request. Returns the tokens applied."""
-        seqs, deadlines = out.decode_seqs, self._deadlines
-        if (  # no request joined or left since the plan, and none needs the end rules
-            seqs is self._decoding
-            and not self._slow_decodes
+        seqs = out.decode_seqs
+        if (  # no request joined or left since the plan, none needs the end rules for every
+            seqs is self._decoding  # token and no token is a stop token: only the requests
+            and not self._slow_decodes  # at their last token need them (``_end_due``)
             and not self._odd_stops
-            and (not deadlines or deadlines[0][0] > self._updates)
             and self._stops.isdisjoint(tokens)
         ):
             _consume(map(_APPEND, out.decode_inputs, tokens))  # (``tokens`` goes on with the
-            outcome.num_generated += len(seqs)  # prefills': ``map`` stops at the decodes')
+            dropped = self._end_due(out, tokens, outcome)  # prefills': ``map`` stops first)
+            outcome.num_generated += len(seqs) - dropped
             return len(seqs)
         finished, now = outcome.finished, outcome.ended_at
         skipped = dropped = 0
@@ -677,23 +677,27 @@ class Scheduler:
                     dropped += self._append(seq, token, now, finished, logprob and logprob(seq))
             else:
                 prefix.append(token)  # one token, not the last: the request has computed it
-        self._expire_deadlines()
+        self._end_due(out, tokens, outcome)  # (every request due has ended: drops them)
         outcome.num_generated += len(seqs) - skipped - dropped
         return len(seqs) - skipped
 
-    def _expire_deadlines(self) -> None:
-        """Drop the deadlines due by this update (their requests have ended: a decode's last
-        token ends it), or re-file one still decoding; drop stale ones when they outnumber
-        the decodes."""
-        deadlines, update = self._deadlines, self._updates
+    def _end_due(self, out: SchedulerOutput, tokens: list[int], outcome: StepOutcome) -> int:
+        """Take the deadlines due in this update off the heap. A request still decoding is at
+        its last token (``fast_until`` tokens before it), appended with the others: it is taken
+        back and goes through the end rules, which end the request. Stale deadlines (requests
+        that ended early) go too, and all of them when they outnumber the decodes. Returns the
+        tokens left out of the output."""
+        deadlines, update, dropped = self._deadlines, self._updates, 0
         while deadlines and deadlines[0][0] <= update:
             _, admission, seq = heappop(deadlines)
-            if seq.fast_until and seq.admission == admission:  # (not expected)
-                due = max(update, update + seq.fast_until - len(seq.tokens)) + 1
-                heappush(deadlines, (due, admission, seq))
+            if seq.fast_until and seq.admission == admission:
+                row = out.decode_seqs.index(seq)
+                out.decode_inputs[row].pop()
+                dropped += self._append(seq, tokens[row], outcome.ended_at, outcome.finished)
         if len(deadlines) > 2 * len(self._decoding) + 32:
             deadlines[:] = [d for d in deadlines if d[2].fast_until and d[2].admission == d[1]]
             heapify(deadlines)
+        return dropped
 
     def _apply_prefills(
         self, out: SchedulerOutput, result: ModelOutput, outcome: StepOutcome
