@@ -6,7 +6,6 @@ import time
 from collections.abc import Iterator
 from itertools import chain
 from operator import countOf
-from typing import NamedTuple
 
 from app.engine.errors import ModelError
 from app.engine.runner import ModelRunner, close_quietly, make_runner
@@ -44,9 +43,9 @@ def generate(
     results: dict[str, list[int]] = {r.request_id: [] for r in requests}  # filled as each ends
     # Each request becomes a ``Sequence`` only when a slot is about to free for it, and is
     # dropped when it ends (its tokens go to ``results``): few objects live at a time.
-    arrivals = Arrivals(iter(requests), stops, include_stop)
+    arrivals = iter(requests)
     now = time.monotonic()
-    _queue(scheduler, arrivals, num_slots, results, now)
+    _queue(scheduler, arrivals, num_slots, results, now, stops, include_stop)
     try:
         while True:
             out = scheduler.schedule(now)  # a step starts when the previous one ended
@@ -71,32 +70,25 @@ def generate(
             if finished:
                 for seq in finished:
                     results[seq.request_id] = seq.tokens[seq.prompt_len :]  # ``generated``
-                _queue(scheduler, arrivals, len(finished), results, now)
+                _queue(scheduler, arrivals, len(finished), results, now, stops, include_stop)
     finally:
         close_quietly(runner)
     return results
 
 
-class Arrivals(NamedTuple):
-    """The requests not yet handed to the scheduler, and the end rules they all share."""
-
-    requests: Iterator[Request]
-    stops: frozenset[int]
-    include_stop: bool
-
-
 def _queue(
     scheduler: Scheduler,
-    arrivals: Arrivals,
+    arrivals: Iterator[Request],
     count: int,
     results: dict[str, list[int]],
     now: float,
+    stops: frozenset[int],
+    include_stop: bool,
 ) -> None:
     """Hand the scheduler the next ``count`` requests that need the model, so that every slot
     freed in a step has a request waiting for it (in list order). A request that ends at once
     (``max_tokens == 0``) gets its empty result here."""
-    stops, include_stop = arrivals.stops, arrivals.include_stop
-    for r in arrivals.requests:  # (no generator: resuming one costs a C-level call)
+    for r in arrivals:  # (a generator of sequences would cost a C-level call each)
         seq = Sequence(r.request_id, list(r.prompt), r.max_tokens, stops, include_stop)
         if scheduler.add(seq, now):
             results[seq.request_id] = seq.generated

@@ -173,12 +173,9 @@ class Scheduler:
         self._decoding_tokens: list[list[int]] = []
         self._decoding_planned = False
         self._unplain = self._constrained = 0
-        # A step whose decodes need no end rule appends their tokens at C speed: none needs
-        # them for every token (``_slow_decodes``), all share the stop set ``_stops`` (the
-        # others: ``_odd_stops``) and it holds none of the step's tokens, and no request
-        # reaches its last token: ``_deadlines`` is a heap of (the update at which a decode
-        # needs the end rules, its admission, it), counted in updates (``_updates``), stale
-        # entries left in until their update passes
+        # for ``_apply_decodes``' C-speed path: decodes that need the end rules for every token;
+        # the stop set of the first decode and how many have another; a heap of (the update
+        # (``_updates``) at which a decode reaches its last token, its admission, it)
         self._slow_decodes = self._odd_stops = self._updates = 0
         self._stops: frozenset[int] = frozenset()
         self._deadlines: list[tuple[int, int, Sequence]] = []
@@ -222,8 +219,7 @@ class Scheduler:
             return True
         if seq.fork_of is not None and not self._may_fork(seq, seq.fork_of):
             seq.fork_of = None
-        if seq.status is not WAITING:  # (a new request is)
-            set_status(seq, WAITING)
+        set_status(seq, WAITING)
         self.waiting.push(seq)
         if self.policy is not None:
             self.policy.on_queued(seq, now, new=True)
@@ -386,13 +382,11 @@ class Scheduler:
         self._unplain += not seq.sampling.plain
         self._constrained += seq.constraint is not None
         self._odd_stops += seq.stop_token_ids != self._stops
-        fast_until = 0 if seq.slow or seq.constraint is not None else seq.token_limit - 1
-        seq.fast_until = fast_until
-        if not fast_until:
-            self._slow_decodes += 1
-        else:  # (its first token is appended after this, in this update)
-            deadline = self._updates + fast_until - len(seq.tokens)
-            heappush(self._deadlines, (deadline, seq.admission, seq))
+        seq.fast_until = 0 if seq.slow or seq.constraint is not None else seq.token_limit - 1
+        self._slow_decodes += not seq.fast_until
+        if seq.fast_until:  # its last token's update (its first is appended after this one)
+            due = self._updates + seq.fast_until - len(seq.tokens)
+            heappush(self._deadlines, (due, seq.admission, seq))
 
     def _decode_lists(self) -> tuple[list[Sequence], list[list[int]]]:
         """The decode list and its token lists, to be changed in place: copies of them first
@@ -703,10 +697,8 @@ class Scheduler:
         self, out: SchedulerOutput, result: ModelOutput, outcome: StepOutcome
     ) -> None:
         tokens, index, now = result.tokens, len(out.decode_seqs), outcome.ended_at
-        unavailable, prompt_logprobs = result.unavailable_slots, result.prompt_logprobs
-        cache, generated = self.prefix_cache, 0
         for seq, chunk in zip(out.prefill_seqs, out.prefills, strict=True):
-            if unavailable and not result.ran(chunk):  # its slot could not be
+            if result.unavailable_slots and not result.ran(chunk):  # its slot could not be
                 if seq.status is RUNNING:  # reset: back to the queue (no preemption)
                     was = PREEMPTED if seq.num_preemptions else WAITING
                     self._requeue(seq, was, now)
@@ -716,27 +708,26 @@ class Scheduler:
             if seq.status is not RUNNING:
                 continue  # aborted or preempted while the model ran
             seq.prefilled = chunk.start + len(chunk.token_ids)
-            if cache is not None:
-                cache.publish(seq)
-            if prompt_logprobs is not None and not seq.prompt_logprobs_done:
-                _store_prompt_logprobs(seq, prompt_logprobs.get(seq.request_id))
+            if self.prefix_cache is not None:
+                self.prefix_cache.publish(seq)
+            if result.prompt_logprobs is not None and not seq.prompt_logprobs_done:
+                _store_prompt_logprobs(seq, result.prompt_logprobs.get(seq.request_id))
             if token is None:
                 continue
             self._prefilling.remove(seq)
             self._start_decoding(seq)  # it decodes from the next step on
             if seq.times.first_token is None:
                 seq.times.first_token = now
-            generated += 1
             if (  # no end rule applies: the test of ``_apply_decodes``, and no missing token
                 token != NO_TOKEN
                 and token not in seq.stop_token_ids
                 and len(seq.tokens) < seq.fast_until
             ):
                 seq.tokens.append(token)
+                outcome.num_generated += 1
                 continue
             logprob = None if result.logprobs is None else result.logprobs[index - 1]
-            generated -= self._append(seq, token, now, outcome.finished, logprob)
-        outcome.num_generated += generated
+            outcome.num_generated += 1 - self._append(seq, token, now, outcome.finished, logprob)
 
     def _append(
         self,

@@ -22,8 +22,7 @@ class SlotTable:
             raise ValueError(f"num_slots must be >= 1, got {capacity}")
         self.capacity = capacity
         self._held: list[Sequence | None] = [None] * capacity
-        # the free slots, a heap (lowest index first); read it, never change it, outside
-        self.free: list[int] = list(range(capacity))
+        self.free: list[int] = list(range(capacity))  # a heap, lowest first; read-only outside
         self._occupied = 0
         self._running: list[Sequence] | None = []  # running(), rebuilt after any change
         self._out_of_service: set[int] = set()

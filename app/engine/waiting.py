@@ -11,8 +11,7 @@ from app.engine.types import Sequence
 
 class WaitingQueue:
     """Sequences in arrival order; ``remove`` (an abort) is O(1) wherever the sequence stands.
-    ``by_id`` (read it, change it through the methods) is the queue itself: its truth value
-    says whether a request waits without a Python call (``len`` of the queue makes one)."""
+    ``by_id``, read-only outside: its truth value says if a request waits, with no call."""
 
     def __init__(self) -> None:
         self.by_id: OrderedDict[str, Sequence] = OrderedDict()
