@@ -43,14 +43,14 @@ def generate(
     results: dict[str, list[int]] = {r.request_id: [] for r in requests}  # filled as each ends
     # Each request becomes a ``Sequence`` only when a slot is about to free for it, and is
     # dropped when it ends (its tokens go to ``results``): few objects live at a time.
-    arrivals = (Sequence(r.request_id, list(r.prompt), r.max_tokens, stops, include_stop)
-                for r in requests)  # fmt: skip
+    arrivals = iter(requests)
     now = time.monotonic()
-    _queue(scheduler, arrivals, num_slots, results, now)
+    _queue(scheduler, arrivals, num_slots, results, now, stops, include_stop)
     try:
         while True:
             out = scheduler.schedule(now)  # a step starts when the previous one ended
-            if out.empty:  # done, or the model cannot reset a slot: retry, or give up
+            if not (out.decode_seqs or out.prefills):  # ``out.empty`` (read without a call)
+                # done, or the model cannot reset a slot: retry, or give up
                 if not scheduler.has_work():
                     break
                 _recover_slots(runner, scheduler, results)
@@ -69,8 +69,8 @@ def generate(
             finished = scheduler.update(out, result, now).finished
             if finished:
                 for seq in finished:
-                    results[seq.request_id] = seq.generated
-                _queue(scheduler, arrivals, len(finished), results, now)
+                    results[seq.request_id] = seq.tokens[seq.prompt_len :]  # ``generated``
+                _queue(scheduler, arrivals, len(finished), results, now, stops, include_stop)
     finally:
         close_quietly(runner)
     return results
@@ -78,15 +78,18 @@ def generate(
 
 def _queue(
     scheduler: Scheduler,
-    arrivals: Iterator[Sequence],
+    arrivals: Iterator[Request],
     count: int,
     results: dict[str, list[int]],
     now: float,
+    stops: frozenset[int],
+    include_stop: bool,
 ) -> None:
     """Hand the scheduler the next ``count`` requests that need the model, so that every slot
     freed in a step has a request waiting for it (in list order). A request that ends at once
     (``max_tokens == 0``) gets its empty result here."""
-    for seq in arrivals:
+    for r in arrivals:  # (a generator of sequences would cost a C-level call each)
+        seq = Sequence(r.request_id, list(r.prompt), r.max_tokens, stops, include_stop)
         if scheduler.add(seq, now):
             results[seq.request_id] = seq.generated
             continue

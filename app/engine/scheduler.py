@@ -32,8 +32,10 @@ losing nothing but time.
 from __future__ import annotations
 
 from bisect import bisect
+from collections import deque
 from dataclasses import dataclass
 from enum import StrEnum
+from heapq import heapify, heappop, heappush
 from operator import attrgetter
 
 from app.engine.errors import NoTokenLeftError
@@ -60,6 +62,8 @@ from app.models.protocol import NO_TOKEN, Logprobs, PrefillChunk
 UNBOUNDED = 1 << 62  # a token budget or KV capacity that never binds
 _admission = attrgetter("admission")
 _slot = attrgetter("slot")
+_APPEND = list.append
+_consume = deque[None](maxlen=0).extend  # runs an iterator to its end at C speed
 
 
 class BatchingPolicy(StrEnum):
@@ -169,6 +173,12 @@ class Scheduler:
         self._decoding_tokens: list[list[int]] = []
         self._decoding_planned = False
         self._unplain = self._constrained = 0
+        # for ``_apply_decodes``' C-speed path: decodes that need the end rules for every token;
+        # the stop set of the first decode and how many have another; a heap of (the update
+        # (``_updates``) at which a decode reaches its last token, its admission, it)
+        self._slow_decodes = self._odd_stops = self._updates = 0
+        self._stops: frozenset[int] = frozenset()
+        self._deadlines: list[tuple[int, int, Sequence]] = []
         self._released: list[int] = []
         self._preempted: list[Sequence] = []
         self._free_blocks = UNBOUNDED  # while planning a step: blocks not yet handed out
@@ -291,9 +301,8 @@ class Scheduler:
         docstring for the order). A policy may first preempt one running request for a waiting
         one, when every slot is busy."""
         policy = self.policy
-        if self.holds:
-            self.holds.expire(now)
-        if policy is not None and self.waiting and not self.slots.num_free:
+        self.holds.expire(now)
+        if policy is not None and self.waiting.by_id and not self.slots.free:
             self._preempt_for_waiting(policy, now)
         if self._count_blocks:
             decoding = self._decodes_that_fit(now)
@@ -305,7 +314,7 @@ class Scheduler:
         self._decoding_planned = True
         budget = self._budget - len(decoding)
         budget = self._chunk_prefills(out, budget) if self._prefilling else budget
-        if self.slots.num_free and self.waiting:
+        if self.waiting.by_id and self.slots.free:  # (no Python call: they run every step)
             budget = self._admit(out, budget, now)
         while len(self._prefilling) > 1 and out.empty:  # prefills that filled the cache
             self._preempt_youngest_prefill(now)
@@ -344,6 +353,7 @@ class Scheduler:
         if len(tokens) != expected:
             raise ValueError(f"{len(tokens)} tokens for a step that samples {expected}")
         outcome = StepOutcome(out, now)
+        self._updates += 1
         outcome.num_decode_generated = self._apply_decodes(out, tokens, outcome, result.logprobs)
         if out.prefills:
             self._apply_prefills(out, result, outcome)
@@ -364,12 +374,19 @@ class Scheduler:
         """``seq`` is past its prefill: it joins the decode list, and unless it needs the full
         end rules for every token, its tokens take the fast path until its last."""
         decoding, tokens = self._decode_lists()
+        if not decoding:
+            self._stops = seq.stop_token_ids
         index = bisect(decoding, seq.slot, key=_slot)
         decoding.insert(index, seq)
         tokens.insert(index, seq.tokens)
         self._unplain += not seq.sampling.plain
         self._constrained += seq.constraint is not None
+        self._odd_stops += seq.stop_token_ids != self._stops
         seq.fast_until = 0 if seq.slow or seq.constraint is not None else seq.token_limit - 1
+        self._slow_decodes += not seq.fast_until
+        if seq.fast_until:  # its last token's update (its first is appended after this one)
+            due = self._updates + seq.fast_until - len(seq.tokens)
+            heappush(self._deadlines, (due, seq.admission, seq))
 
     def _decode_lists(self) -> tuple[list[Sequence], list[list[int]]]:
         """The decode list and its token lists, to be changed in place: copies of them first
@@ -473,51 +490,29 @@ class Scheduler:
         if static and self.slots.occupied:
             return budget
         # Static batching fills every slot at once (later steps prefill what the budget left).
-        policy = self.policy
+        policy, waiting, slots = self.policy, self.waiting, self.slots
         loras = self._running_loras() if self.config.max_loras is not None else None
-        while (budget > 0 or static) and self.waiting and self.slots.num_free:
-            seq = self.waiting.peek() if policy is None else policy.select(self.waiting, now)
-            if (loras is not None or seq.fork_of is not None) and not self._may_start(seq, loras):
-                found = self._first_fitting(policy, loras, now)
+        general = loras is not None or self.prefix_cache is not None or self._count_blocks
+        while (budget > 0 or static) and waiting.by_id and slots.free:
+            seq = waiting.peek() if policy is None else policy.select(waiting, now)
+            start = 0  # a request that fits whole, from position 0, needs nothing more
+            if general or seq.fork_of is not None or seq.remote_tokens:
+                found = self._admission_start(out, seq, policy, loras, now)
                 if found is None:
-                    break  # every waiting request needs another adapter, or waits for its fork
-                seq = found
-            start = self._fork_start(seq) if seq.fork_of is not None else 0
-            if seq.remote_tokens and seq.times.admitted is None:  # its KV arrived: computed
-                start = max(start, min(seq.remote_tokens, seq.prompt_len - 1))
-            hits = self._cached_prefix(seq, start) if self.prefix_cache is not None else []
-            # the cost in free blocks: cached blocks nobody uses, and a fork's own copies of
-            # the prompt blocks the cache does not share
-            cost = sum(1 for block in hits if block.refs == 0) if hits else 0
-            if start:  # a fork's copies, or the blocks a producer sent
-                cost += self.books.blocks_for(start) - len(hits)
-            if self._count_blocks and not self.books.room(start, self._free_blocks - cost):
-                break  # the cache is full: it waits (first come, first served)
+                    break
+                seq, start = found
             if policy is None:
-                self.waiting.remove(seq.request_id)  # the head, or the first that may start
+                waiting.remove(seq.request_id)  # the head, or the first that may start
             else:
                 self._take(policy, seq, now)
-            if loras is not None and seq.lora is not None:
-                self._load_lora(out, seq.lora, loras)
-            self.slots.allocate(seq)
+            slots.allocate(seq)
             set_status(seq, RUNNING)
-            seq.prefilled = start or len(hits) * self.books.block_size
-            seq.prefill_target = len(seq.tokens)
-            self._free_blocks -= cost
-            if self.prefix_cache is not None:
-                self.prefix_cache.acquire(seq, hits)
-                # a resume's re-lookup is not a query, nor is a request that skips the cache
-                # (prompt log probabilities), as in vLLM
-                if seq.times.admitted is None and seq.prompt_logprobs is None:
-                    out.prefix_queries += seq.prompt_len
-                    out.prefix_hits += len(hits) * self.books.block_size
+            seq.prefilled, seq.prefill_target = start, len(seq.tokens)
             self._admissions += 1
             seq.admission = self._admissions
             if seq.times.admitted is None:  # its first admission (not a resume)
                 seq.times.admitted = now
                 out.admitted.append(seq)
-                if seq.remote_tokens:  # (the cached blocks among them count as hits)
-                    out.remote_tokens += start - len(hits) * self.books.block_size
             else:
                 out.resumed.append(seq)
             self._prefilling.append(seq)
@@ -526,6 +521,47 @@ class Scheduler:
                 self._unstarted.add(seq.request_id)
             budget -= size
         return budget
+
+    def _admission_start(
+        self, out: SchedulerOutput, seq: Sequence, policy: Policy | None,
+        loras: set[str] | None, now: float,
+    ) -> tuple[Sequence, int] | None:  # fmt: skip
+        """The part of admitting ``seq`` beyond a slot: an adapter rule or a fork's wait (then
+        the request admitted is the first that may start), a fork's or a producer's computed
+        positions, the prefix cache's blocks, a KV cache that may be full. Returns the request
+        and the position its prefill starts at, its blocks and adapter taken; None if no
+        request may start or the cache has no room (it waits: first come, first served)."""
+        if (loras is not None or seq.fork_of is not None) and not self._may_start(seq, loras):
+            found = self._first_fitting(policy, loras, now)
+            if found is None:
+                return None  # every waiting request needs another adapter, or waits for its fork
+            seq = found
+        first = seq.times.admitted is None
+        start = self._fork_start(seq) if seq.fork_of is not None else 0
+        if seq.remote_tokens and first:  # its KV arrived: computed
+            start = max(start, min(seq.remote_tokens, seq.prompt_len - 1))
+        hits = self._cached_prefix(seq, start) if self.prefix_cache is not None else []
+        # the cost in free blocks: cached blocks nobody uses, and a fork's own copies of
+        # the prompt blocks the cache does not share
+        cost = sum(1 for block in hits if block.refs == 0) if hits else 0
+        if start:  # a fork's copies, or the blocks a producer sent
+            cost += self.books.blocks_for(start) - len(hits)
+        if self._count_blocks and not self.books.room(start, self._free_blocks - cost):
+            return None
+        if loras is not None and seq.lora is not None:
+            self._load_lora(out, seq.lora, loras)
+        self._free_blocks -= cost
+        cached = len(hits) * self.books.block_size
+        if self.prefix_cache is not None:
+            self.prefix_cache.acquire(seq, hits)
+            # a resume's re-lookup is not a query, nor is a request that skips the cache
+            # (prompt log probabilities), as in vLLM
+            if first and seq.prompt_logprobs is None:
+                out.prefix_queries += seq.prompt_len
+                out.prefix_hits += cached
+        if seq.remote_tokens and first:  # (the cached blocks among them count as hits)
+            out.remote_tokens += start - cached
+        return seq, start or cached
 
     def _first_fitting(
         self, policy: Policy | None, loras: set[str] | None, now: float
@@ -609,14 +645,23 @@ class Scheduler:
         logprobs: list[Logprobs | None] | None,
     ) -> int:
         """The hot path: one token for each decoding request. Returns the tokens applied."""
-        finished, now = outcome.finished, outcome.ended_at
         seqs = out.decode_seqs
+        if (  # no request joined or left since the plan, none needs the end rules for every
+            seqs is self._decoding  # token and no token is a stop token: only the requests
+            and not self._slow_decodes  # at their last token need them (``_end_due``)
+            and not self._odd_stops
+            and self._stops.isdisjoint(tokens)
+        ):
+            _consume(map(_APPEND, out.decode_inputs, tokens))  # (``tokens`` goes on with the
+            dropped = self._end_due(out, tokens, outcome)  # prefills': ``map`` stops first)
+            outcome.num_generated += len(seqs) - dropped
+            return len(seqs)
+        finished, now = outcome.finished, outcome.ended_at
         skipped = dropped = 0
-        # (tokens: then the prefills' tokens) a token needs the end rules if it is a stop token
-        # or the request's last, or if the request needs them for every token or has left its
-        # slot (``fast_until``: 0); the log probabilities are looked up only for those tokens.
-        # Each request's token list comes from ``decode_inputs`` (the same list as
-        # ``seq.tokens``), walked beside it: an attribute read less per token
+        # a token needs the end rules if it is a stop token or the request's last, or if the
+        # request needs them for every token or has left its slot (``fast_until``: 0); the log
+        # probabilities are looked up only for those tokens. Each request's token list comes
+        # from ``decode_inputs`` (the same list as ``seq.tokens``), walked beside it
         logprob = None if logprobs is None else dict(zip(seqs, logprobs, strict=False)).get
         for seq, prefix, token in zip(seqs, out.decode_inputs, tokens, strict=False):
             if token in seq.stop_token_ids or len(prefix) >= seq.fast_until:
@@ -626,8 +671,27 @@ class Scheduler:
                     dropped += self._append(seq, token, now, finished, logprob and logprob(seq))
             else:
                 prefix.append(token)  # one token, not the last: the request has computed it
+        self._end_due(out, tokens, outcome)  # (every request due has ended: drops them)
         outcome.num_generated += len(seqs) - skipped - dropped
         return len(seqs) - skipped
+
+    def _end_due(self, out: SchedulerOutput, tokens: list[int], outcome: StepOutcome) -> int:
+        """Take the deadlines due in this update off the heap. A request still decoding is at
+        its last token (``fast_until`` tokens before it), appended with the others: it is taken
+        back and goes through the end rules, which end the request. Stale deadlines (requests
+        that ended early) go too, and all of them when they outnumber the decodes. Returns the
+        tokens left out of the output."""
+        deadlines, update, dropped = self._deadlines, self._updates, 0
+        while deadlines and deadlines[0][0] <= update:
+            _, admission, seq = heappop(deadlines)
+            if seq.fast_until and seq.admission == admission:
+                row = out.decode_seqs.index(seq)
+                out.decode_inputs[row].pop()
+                dropped += self._append(seq, tokens[row], outcome.ended_at, outcome.finished)
+        if len(deadlines) > 2 * len(self._decoding) + 32:
+            deadlines[:] = [d for d in deadlines if d[2].fast_until and d[2].admission == d[1]]
+            heapify(deadlines)
+        return dropped
 
     def _apply_prefills(
         self, out: SchedulerOutput, result: ModelOutput, outcome: StepOutcome
@@ -772,6 +836,8 @@ class Scheduler:
             del decoding[index], tokens[index]
             self._unplain -= not seq.sampling.plain
             self._constrained -= seq.constraint is not None
+            self._odd_stops -= seq.stop_token_ids != self._stops
+            self._slow_decodes -= not seq.fast_until
             seq.fast_until = 0
         self._released.append(self.slots.release(seq))
         seq.prefilled = 0

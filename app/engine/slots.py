@@ -22,7 +22,7 @@ class SlotTable:
             raise ValueError(f"num_slots must be >= 1, got {capacity}")
         self.capacity = capacity
         self._held: list[Sequence | None] = [None] * capacity
-        self._free: list[int] = list(range(capacity))  # a heap: lowest free index first
+        self.free: list[int] = list(range(capacity))  # a heap, lowest first; read-only outside
         self._occupied = 0
         self._running: list[Sequence] | None = []  # running(), rebuilt after any change
         self._out_of_service: set[int] = set()
@@ -33,7 +33,7 @@ class SlotTable:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self.free)
 
     @property
     def out_of_service(self) -> frozenset[int]:
@@ -45,18 +45,18 @@ class SlotTable:
             return  # the usual case: nothing to do
         for slot in self._out_of_service - slots:
             if self._held[slot] is None:
-                heapq.heappush(self._free, slot)
+                heapq.heappush(self.free, slot)
         for slot in slots - self._out_of_service:
-            if slot in self._free:
-                self._free.remove(slot)
-                heapq.heapify(self._free)
+            if slot in self.free:
+                self.free.remove(slot)
+                heapq.heapify(self.free)
         self._out_of_service = set(slots)
 
     def allocate(self, seq: Sequence) -> int:
         """Put ``seq`` in the lowest free slot and return its index. Raises if none is free."""
-        if not self._free:
+        if not self.free:
             raise RuntimeError("no free slot")
-        slot = heapq.heappop(self._free)
+        slot = heapq.heappop(self.free)
         self._held[slot] = seq
         seq.slot = slot
         self._occupied += 1
@@ -73,7 +73,7 @@ class SlotTable:
         self._occupied -= 1
         self._running = None
         if slot not in self._out_of_service:
-            heapq.heappush(self._free, slot)
+            heapq.heappush(self.free, slot)
         return slot
 
     def get(self, slot: int) -> Sequence | None:

@@ -10,45 +10,46 @@ from app.engine.types import Sequence
 
 
 class WaitingQueue:
-    """Sequences in arrival order; ``remove`` (an abort) is O(1) wherever the sequence stands."""
+    """Sequences in arrival order; ``remove`` (an abort) is O(1) wherever the sequence stands.
+    ``by_id``, read-only outside: its truth value says if a request waits, with no call."""
 
     def __init__(self) -> None:
-        self._by_id: OrderedDict[str, Sequence] = OrderedDict()
+        self.by_id: OrderedDict[str, Sequence] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._by_id)
+        return len(self.by_id)
 
     def __contains__(self, request_id: object) -> bool:
-        return request_id in self._by_id
+        return request_id in self.by_id
 
     def __iter__(self) -> Iterator[Sequence]:
         """The sequences in queue order (the queue must not change meanwhile)."""
-        return iter(self._by_id.values())
+        return iter(self.by_id.values())
 
     def get(self, request_id: str) -> Sequence | None:
         """The queued sequence with this id, if any."""
-        return self._by_id.get(request_id)
+        return self.by_id.get(request_id)
 
     def push(self, seq: Sequence) -> None:
-        self._by_id[seq.request_id] = seq
+        self.by_id[seq.request_id] = seq
 
     def push_front(self, seq: Sequence) -> None:
-        self._by_id[seq.request_id] = seq
-        self._by_id.move_to_end(seq.request_id, last=False)
+        self.by_id[seq.request_id] = seq
+        self.by_id.move_to_end(seq.request_id, last=False)
 
     def peek(self) -> Sequence:
         """The oldest sequence, left in place."""
-        return next(iter(self._by_id.values()))
+        return next(iter(self.by_id.values()))
 
     def pop(self) -> Sequence:
         """Remove and return the oldest sequence."""
-        return self._by_id.popitem(last=False)[1]
+        return self.by_id.popitem(last=False)[1]
 
     def remove(self, request_id: str) -> Sequence | None:
-        return self._by_id.pop(request_id, None)
+        return self.by_id.pop(request_id, None)
 
     def drain(self) -> list[Sequence]:
         """Remove and return every sequence, oldest first."""
-        seqs = list(self._by_id.values())
-        self._by_id.clear()
+        seqs = list(self.by_id.values())
+        self.by_id.clear()
         return seqs
