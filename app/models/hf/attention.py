@@ -6,9 +6,11 @@ then each prefill chunk's tokens. ``StepLayout`` describes that packing once per
 
 - decode tokens: one batched ``scaled_dot_product_attention`` over a view of the cache for the
   slot range they span (no copy of the cache), each slot masked to its own length. A slot of the
-  range that is not decoding gets a dummy query whose output is dropped. Grouped-query attention
-  needs no repeated keys: a decode token's query heads that share a KV head are laid out as that
-  KV head's "sequence" of queries.
+  range that is not decoding gets a dummy query whose output is dropped. When the decoding slots
+  fill at most half of that range, their keys and values are copied out instead (a drain tail of
+  a few long requests in scattered slots would otherwise pay for the whole range).
+  Grouped-query attention needs no repeated keys: a decode token's query heads that share a KV
+  head are laid out as that KV head's "sequence" of queries.
 - prefill chunks: one causal attention per chunk over its slot's cached positions plus the
   chunk itself.
 """
@@ -48,6 +50,7 @@ class StepLayout:
     lo: int
     range_rows: torch.Tensor | None  # None: the decode slots are exactly lo, lo+1, ... in order
     range_size: int
+    gather: torch.Tensor | None  # the decode slots, when few in a wide range: attend just these
     key_len: int
     decode_mask: torch.Tensor | None
     chunks: list[ChunkSpan]
@@ -69,16 +72,21 @@ class StepLayout:
             spans.append(ChunkSpan(slot, len(slots), length, start, mask))
             slots.extend([slot] * length)
             positions.extend(range(start, start + length))
-        lo, size, rows, key_len, mask = 0, 0, None, 0, None
+        lo, size, rows, key_len, mask, gather = 0, 0, None, 0, None, None
         if decode_slots:
             lo = min(decode_slots)
             size = max(decode_slots) - lo + 1
             key_len = max(decode_positions) + 1
-            lengths = [1] * size  # a dummy row attends position 0 only (never all-masked)
-            for slot, position in zip(decode_slots, decode_positions, strict=True):
-                lengths[slot - lo] = position + 1
-            if decode_slots != list(range(lo, lo + size)):
-                rows = torch.tensor([s - lo for s in decode_slots], device=device)
+            if 2 * len(decode_slots) <= size:  # sparse: copying their keys beats the range
+                gather = torch.tensor(decode_slots, device=device)
+                lo, size = 0, len(decode_slots)
+                lengths = [position + 1 for position in decode_positions]
+            else:
+                lengths = [1] * size  # a dummy row attends position 0 only (never all-masked)
+                for slot, position in zip(decode_slots, decode_positions, strict=True):
+                    lengths[slot - lo] = position + 1
+                if decode_slots != list(range(lo, lo + size)):
+                    rows = torch.tensor([s - lo for s in decode_slots], device=device)
             if any(length != key_len for length in lengths):  # else every key is attended
                 mask = torch.arange(key_len) < torch.tensor(lengths)[:, None]
                 mask = mask.to(device).view(size, 1, 1, key_len)
@@ -89,6 +97,7 @@ class StepLayout:
             lo=lo,
             range_rows=rows,
             range_size=size,
+            gather=gather,
             key_len=key_len,
             decode_mask=mask,
             chunks=spans,
@@ -139,9 +148,13 @@ def _attend_decode(
         spread = grouped.new_zeros(layout.range_size, *grouped.shape[1:])
         spread[layout.range_rows] = grouped
         grouped = spread
-    hi = layout.lo + layout.range_size
-    keys = cache.keys[layer, layout.lo : hi, :, : layout.key_len]
-    values = cache.values[layer, layout.lo : hi, :, : layout.key_len]
+    if layout.gather is None:
+        hi = layout.lo + layout.range_size
+        keys = cache.keys[layer, layout.lo : hi, :, : layout.key_len]
+        values = cache.values[layer, layout.lo : hi, :, : layout.key_len]
+    else:
+        keys = cache.keys[layer, :, :, : layout.key_len].index_select(0, layout.gather)
+        values = cache.values[layer, :, :, : layout.key_len].index_select(0, layout.gather)
     o = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=layout.decode_mask)
     if layout.range_rows is not None:
         o = o[layout.range_rows]
