@@ -62,7 +62,9 @@ def test_a_profile_sets_the_step_clock_and_the_limits() -> None:
     assert config.kv_binds  # 256 x 8192 tokens would need more
 
 
-def test_flags_set_explicitly_win_over_the_profile() -> None:
+def test_flags_set_explicitly_win_over_the_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the suite's conftest sets it, and an env var counts as set
+    monkeypatch.delenv("SLOTSERVE_COMPILE", raising=False)
     s = Settings(profile=H100, mock_step_ms=4.0, num_slots=64, kv_cache_tokens=100_000)
     assert (s.mock_step_ms, s.num_slots, s.kv_cache_tokens) == (4.0, 64, 100_000)
     assert (s.mock_prefill_ms, s.max_num_batched_tokens) == (0.0173, 8192)  # the rest: preset
