@@ -138,6 +138,7 @@ def test_compiled_code_is_cached_under_the_model_cache_folder_and_a_second_start
 ) -> None:
     folder = cache_dir / "inductor-cache"
     assert folder.is_dir() and any(folder.rglob("*.py"))
+    assert all(p.suffix == ".bin" for p in (folder / "layers").iterdir())  # no partial file
     with caplog.at_level(logging.INFO, logger="slotserve.model"):
         again = load(checkpoint, cache_dir, "auto")
     assert caplog.text.count("loaded the decoder layer") == 2, caplog.text
@@ -161,6 +162,15 @@ def test_auto_runs_eager_without_a_compiler(
     assert loaded.model.step(
         StepBatch([], [], [], [], [PrefillChunk(0, [5, 6], 0, True, GREEDY, "x")])
     )
+
+
+def test_auto_runs_eager_when_the_compiler_inductor_calls_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # CXX=/nonexistent with g++ still on the PATH: inductor calls $CXX only
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "/nonexistent/g++"))
+    compiling, why = resolve("auto", "cpu")
+    assert not compiling and "no C++ compiler" in why
 
 
 def test_a_failed_compile_leaves_the_eager_forward(

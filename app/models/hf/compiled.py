@@ -59,9 +59,12 @@ _REGISTRY_LOCK = threading.Lock()
 
 
 def compiler() -> str | None:
-    """The C++ compiler inductor would use (``$CXX``, else ``c++``/``g++``/``clang++`` on the
-    PATH), or None."""
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+    """The C++ compiler inductor will use, or None: the first of inductor's candidates
+    (``cpp.cxx``: ``$CXX`` if set, else ``g++``) found on the PATH. Another compiler on the
+    PATH (``c++``, ``clang++``) is not one inductor would call."""
+    from torch._inductor import config
+
+    for name in config.cpp.cxx:
         if name and (found := shutil.which(name)):
             return found
     return None
@@ -174,7 +177,12 @@ class CompiledForward(LlamaForward):
         )
         graph = compiling.aot_compile((inputs, {}))
         self.folder.mkdir(parents=True, exist_ok=True)
-        graph.save_compiled_function(str(path))
+        partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.part")
+        try:  # whole or absent: a start reading it never sees another's half-written file
+            graph.save_compiled_function(str(partial))
+            partial.replace(path)
+        finally:
+            partial.unlink(missing_ok=True)
         self._use(tokens, graph)
         return False
 
@@ -185,12 +193,16 @@ class CompiledForward(LlamaForward):
     def _key(self, inputs: tuple[torch.Tensor | None, ...], tokens: int) -> str:
         """What a saved graph depends on: torch's version, the layer's shapes, dtypes and
         matrix kinds, the thread count it is built for (1 for the one-token graph, else
-        torch's), and the source of the modules traced into it."""
+        torch's), the CPU's vector instruction set (the kernels are built for it) and the source
+        of the modules traced into it."""
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
         arch = dataclasses.replace(self.arch, hf_config=None, num_layers=0, vocab_size=0)
         shapes = [None if t is None else (tuple(t.shape), t.dtype) for t in inputs]
         parts = [torch.__version__, repr(arch), repr(shapes), repr(self._kinds)]
         threads = 1 if tokens == 1 else torch.get_num_threads()  # inductor plans loops by it
         parts.append(f"{threads} threads")
+        parts.append(str(pick_vec_isa()))  # its kernels' instructions (a shared cache folder)
         for name in TRACED_MODULES:
             parts.append(inspect.getsource(sys.modules[f"app.models.hf.{name}"]))
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
