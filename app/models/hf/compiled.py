@@ -18,8 +18,9 @@ What the compiler sees and what it does not:
 
 Two graphs (one token; n >= 2 tokens, dynamic) are built ahead of time with torch's
 ``aot_compile`` (``CompiledForward.build``) and saved in the model's cache folder, keyed by
-torch's version, the layer's shapes and kinds and this code; a later start loads them instead
-of tracing again. A step calls them directly: no dynamo frame hook and no guards
+torch's version, the layer's shapes and kinds, the thread count, the CPU's vector instructions
+and this code; a later start loads them instead of tracing again (a read-only folder: loaded,
+or compiled and not saved). A step calls them directly: no dynamo frame hook and no guards
 (``_layer`` picks the graph by token count). Inductor's own caches sit beside them
 (``use_cache_folder``). Figures and the decisions behind this layout: docs/benchmarks.md,
 "Compiled forward".
@@ -27,6 +28,7 @@ of tracing again. A step calls them directly: no dynamo frame hook and no guards
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import inspect
@@ -91,7 +93,11 @@ def use_cache_folder(folder: Path) -> None:
 
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if current is None or current == default_cache_dir():
-        folder.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):  # a read-only parent: checked below
+            folder.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK):  # inductor locks and writes files there
+            log.warning("%s is not writable: inductor's caches stay in its default", folder)
+            return
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
 
 
@@ -176,15 +182,19 @@ class CompiledForward(LlamaForward):
             traced, dynamic=True, fullgraph=True, options=options
         )
         graph = compiling.aot_compile((inputs, {}))
-        self.folder.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.part")
-        try:  # whole or absent: a start reading it never sees another's half-written file
-            graph.save_compiled_function(str(partial))
-            partial.replace(path)
-        finally:
-            partial.unlink(missing_ok=True)
+        self._save(graph, path)
         self._use(tokens, graph)
         return False
+
+    def _save(self, graph: Any, path: Path) -> None:
+        """Writes ``graph`` to ``path`` (torch writes a temporary file and renames it, so a
+        reader never sees half a file); a folder it cannot write only costs the next start a
+        compile."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            graph.save_compiled_function(str(path))
+        except Exception as exc:  # the graph in hand still runs
+            log.warning("compiled layer not saved (%s): the next start compiles it again", exc)
 
     def _use(self, tokens: int, graph: Any) -> None:
         graph.disable_guard_check()  # it has none: ``_layer`` picks the graph by token count
