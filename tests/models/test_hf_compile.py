@@ -8,6 +8,7 @@ eager path where no compiler is or compiling fails."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from hf_tiny import Driver, DriverRequest, random_prompts, save_tiny_model, save_tokenizer
 
 from app.models.hf import LoadedModel, load_model
-from app.models.hf.compiled import CompiledForward, resolve
+from app.models.hf.compiled import CompiledForward, resolve, use_cache_folder
 from app.models.protocol import GREEDY, PrefillChunk, SamplingParams, StepBatch
 
 pytestmark = pytest.mark.real_model
@@ -161,6 +162,35 @@ def test_auto_runs_eager_without_a_compiler(
     assert loaded.model.step(
         StepBatch([], [], [], [], [PrefillChunk(0, [5, 6], 0, True, GREEDY, "x")])
     )
+
+
+def test_auto_runs_eager_when_the_compiler_inductor_calls_is_missing() -> None:
+    from torch._inductor import config
+
+    # CXX=/nonexistent with g++ still on the PATH: inductor calls $CXX only
+    with config.patch({"cpp.cxx": (None, "/nonexistent/g++")}):
+        compiling, why = resolve("auto", "cpu")
+    assert not compiling and "no C++ compiler" in why
+
+
+def test_a_cache_folder_it_cannot_write_only_costs_the_saving(
+    compiled: LoadedModel,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class Unwritable:
+        def save_compiled_function(self, path: str) -> None:
+            raise OSError(30, "Read-only file system", path)
+
+    forward = compiled.model._forward
+    assert isinstance(forward, CompiledForward)
+    forward._save(Unwritable(), tmp_path / "layer.bin")  # logs, does not raise
+    assert "not saved" in caplog.text
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.setattr("os.access", lambda path, mode: False)
+    use_cache_folder(tmp_path)  # inductor keeps its default: it locks files in its folder
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
 
 
 def test_a_failed_compile_leaves_the_eager_forward(

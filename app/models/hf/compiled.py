@@ -18,8 +18,9 @@ What the compiler sees and what it does not:
 
 Two graphs (one token; n >= 2 tokens, dynamic) are built ahead of time with torch's
 ``aot_compile`` (``CompiledForward.build``) and saved in the model's cache folder, keyed by
-torch's version, the layer's shapes and kinds and this code; a later start loads them instead
-of tracing again. A step calls them directly: no dynamo frame hook and no guards
+torch's version, the layer's shapes and kinds, the thread count, the CPU's vector instructions
+and this code; a later start loads them instead of tracing again (a read-only folder: loaded,
+or compiled and not saved). A step calls them directly: no dynamo frame hook and no guards
 (``_layer`` picks the graph by token count). Inductor's own caches sit beside them
 (``use_cache_folder``). Figures and the decisions behind this layout: docs/benchmarks.md,
 "Compiled forward".
@@ -27,6 +28,7 @@ of tracing again. A step calls them directly: no dynamo frame hook and no guards
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import inspect
@@ -59,9 +61,12 @@ _REGISTRY_LOCK = threading.Lock()
 
 
 def compiler() -> str | None:
-    """The C++ compiler inductor would use (``$CXX``, else ``c++``/``g++``/``clang++`` on the
-    PATH), or None."""
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+    """The C++ compiler inductor will use, or None: the first of inductor's candidates
+    (``cpp.cxx``: ``$CXX`` if set, else ``g++``) found on the PATH. Another compiler on the
+    PATH (``c++``, ``clang++``) is not one inductor would call."""
+    from torch._inductor import config
+
+    for name in config.cpp.cxx:
         if name and (found := shutil.which(name)):
             return found
     return None
@@ -88,7 +93,11 @@ def use_cache_folder(folder: Path) -> None:
 
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if current is None or current == default_cache_dir():
-        folder.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):  # a read-only parent: checked below
+            folder.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK):  # inductor locks and writes files there
+            log.warning("%s is not writable: inductor's caches stay in its default", folder)
+            return
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
 
 
@@ -173,10 +182,19 @@ class CompiledForward(LlamaForward):
             traced, dynamic=True, fullgraph=True, options=options
         )
         graph = compiling.aot_compile((inputs, {}))
-        self.folder.mkdir(parents=True, exist_ok=True)
-        graph.save_compiled_function(str(path))
+        self._save(graph, path)
         self._use(tokens, graph)
         return False
+
+    def _save(self, graph: Any, path: Path) -> None:
+        """Writes ``graph`` to ``path`` (torch writes a temporary file and renames it, so a
+        reader never sees half a file); a folder it cannot write only costs the next start a
+        compile."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            graph.save_compiled_function(str(path))
+        except Exception as exc:  # the graph in hand still runs
+            log.warning("compiled layer not saved (%s): the next start compiles it again", exc)
 
     def _use(self, tokens: int, graph: Any) -> None:
         graph.disable_guard_check()  # it has none: ``_layer`` picks the graph by token count
@@ -185,12 +203,16 @@ class CompiledForward(LlamaForward):
     def _key(self, inputs: tuple[torch.Tensor | None, ...], tokens: int) -> str:
         """What a saved graph depends on: torch's version, the layer's shapes, dtypes and
         matrix kinds, the thread count it is built for (1 for the one-token graph, else
-        torch's), and the source of the modules traced into it."""
+        torch's), the CPU's vector instruction set (the kernels are built for it) and the source
+        of the modules traced into it."""
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
         arch = dataclasses.replace(self.arch, hf_config=None, num_layers=0, vocab_size=0)
         shapes = [None if t is None else (tuple(t.shape), t.dtype) for t in inputs]
         parts = [torch.__version__, repr(arch), repr(shapes), repr(self._kinds)]
         threads = 1 if tokens == 1 else torch.get_num_threads()  # inductor plans loops by it
         parts.append(f"{threads} threads")
+        parts.append(str(pick_vec_isa()))  # its kernels' instructions (a shared cache folder)
         for name in TRACED_MODULES:
             parts.append(inspect.getsource(sys.modules[f"app.models.hf.{name}"]))
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
