@@ -163,14 +163,14 @@ def run(s: Scenario) -> None:
             core.update(out, result)
     else:
         raise AssertionError(f"not done after {MAX_STEPS} steps")
-    for i, (spec, seq) in enumerate(zip(s.specs, seqs, strict=True)):
-        assert seq is not None
+    for i, (spec, ended) in enumerate(zip(s.specs, seqs, strict=True)):
+        assert ended is not None
         expected = alone(spec)
-        if i in cut and seq.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
-            assert seq.generated == expected[: seq.num_generated]
+        if i in cut and ended.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
+            assert ended.generated == expected[: ended.num_generated]
         else:
-            assert seq.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
-            assert seq.generated == expected
+            assert ended.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+            assert ended.generated == expected
     scheduler = core.scheduler
     assert not scheduler.slots.running()
     # nothing decodes: no count of the fast path's is left over for the next requests
