@@ -44,38 +44,24 @@ from app.api.tools import ToolPlan
 from app.engine.stop_strings import StopStringMatcher
 from app.engine.stream import RequestStream
 from app.engine.types import FinishReason
-from app.models.protocol import DEFAULT_SAMPLING, Logprobs, SamplingParams
+from app.models.protocol import Logprobs
 from app.serving import GenerationParams, Serving
-from app.structured.constraint import Constraint
 from app.structured.tools import ToolCall
 
 
 @dataclass(slots=True)
-class InternalRequest:
-    """What every protocol asks the engine for, in the engine's terms."""
+class InternalRequest(GenerationParams):
+    """What every protocol asks the engine for, in the engine's terms: its first prompt's
+    ``GenerationParams`` (``user``: the body's own field, a named API key wins; ``request_id``:
+    the client's own id (/generate), else one is made; ``remote_decode``, ``remote_tokens``:
+    prefill/decode disaggregation, app/api/kv_transfer.py), plus what the API layer reads."""
 
-    prompt: list[int]
-    max_tokens: int | None
-    sampling: SamplingParams = DEFAULT_SAMPLING
-    stop_strings: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    bad_words: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    priority: int = 0
-    user: str | None = None  # the body's own user field (a named API key wins)
     model: str | None = None  # the model the body named: the served one, or a LoRA adapter
     stream: bool = False
     id_prefix: str = "gen"
-    request_id: str | None = None  # the client's own id (/generate), else one is made
-    constraint: Constraint | None = None  # what the output must match (structured outputs)
-    constraint_param: str = "response_format"  # the field that asked for it (named in a 400)
     tools: ToolPlan | None = None  # the tools offered and the choice (calls read from the reply)
     more_prompts: list[list[int]] = field(default_factory=list)  # completions' further prompts
     n: int = 1  # choices per prompt
-    # prefill/decode disaggregation (app/api/kv_transfer.py): hold the prompt's blocks for a
-    # remote decoder; the prompt's leading tokens whose KV a producer sent
-    remote_decode: bool = False
-    remote_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -237,15 +223,9 @@ REQUEST_TYPE_BY_PREFIX = {"chatcmpl": "chat_completions", "resp": "responses"}
 def engine_params(internal: InternalRequest, lora: str | None, key: str | None) -> GenerationParams:
     """``internal``'s first prompt as the engine's ``GenerationParams`` (``lora``: the adapter it
     runs with; ``key``: the API key's name, which wins over the body's ``user``)."""
-    return GenerationParams(
-        prompt=internal.prompt, max_tokens=internal.max_tokens,
-        stop_token_ids=internal.stop_token_ids, stop_strings=internal.stop_strings,
-        ignore_eos=internal.ignore_eos, request_id=internal.request_id,
-        priority=internal.priority, sampling=internal.sampling, bad_words=internal.bad_words,
-        user=key if key is not None else internal.user, key_name=key,
-        constraint=internal.constraint, constraint_param=internal.constraint_param, lora=lora,
-        remote_decode=internal.remote_decode, remote_tokens=internal.remote_tokens,
-    )  # fmt: skip
+    shared = {f.name: getattr(internal, f.name) for f in dataclasses.fields(GenerationParams)}
+    user = key if key is not None else internal.user
+    return GenerationParams(**shared | {"user": user, "key_name": key, "lora": lora})
 
 
 def check_room(serving: Serving, prompts: int, n: int, rank: int | None) -> None:
