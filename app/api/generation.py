@@ -16,8 +16,8 @@ A protocol module only translates:
    (``read_calls``), usage. It is either streamed (``stream_response``: SSE with the
    send-timeout watchdog and cancel on disconnect; the protocol's ``EventShaper`` lays out the
    events, including the error event a failed model call ends the stream with) or awaited whole
-   (``await_outcomes``: a client that leaves first aborts the request; a failed model call
-   raises ``ModelFailed``) and laid out by the protocol.
+   (``whole_reply``: a client that leaves first aborts the request; a failed model call
+   raises its ``APIError``) and laid out by the protocol.
 
 Nothing here knows a protocol's field names; nothing in a protocol module touches the engine.
 """
@@ -393,16 +393,11 @@ async def collect(run: Run, serving: Serving) -> list[Outcome]:
     return outcomes
 
 
-async def await_outcomes(request: Request, run: Run, serving: Serving) -> list[Outcome]:
-    """``collect``, aborting the request if the client leaves first (``ClientGone``)."""
-    return await until_disconnected(request, collect(run, serving), lambda: run.abort(serving))
-
-
 async def whole_reply(request: Request, run: Run, serving: Serving) -> list[Outcome]:
-    """``await_outcomes`` for a reply sent whole: a failed choice raises its answer (the
-    ``APIError`` of ``ModelFailed``)."""
+    """``collect``, for a reply sent whole: a client that leaves first aborts the request
+    (``ClientGone``); a failed choice raises its answer (the ``APIError`` of ``ModelFailed``)."""
     try:
-        return await await_outcomes(request, run, serving)
+        return await until_disconnected(request, collect(run, serving), lambda: run.abort(serving))
     except ModelFailed as err:
         raise err.error from err
 

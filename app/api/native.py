@@ -41,10 +41,10 @@ async def generate(
         response = generation.stream_response(run, serving, NativeEvents(run, serving))
     else:
         try:
-            await generation.await_outcomes(request, run, serving)
+            await generation.whole_reply(request, run, serving)
             response = JSONResponse(done_payload(run, serving))
-        except generation.ModelFailed as err:
-            response = response_for(err.error, {"request_id": run.id})
+        except APIError as err:  # a failed model call's answer
+            response = response_for(err, {"request_id": run.id})
     return generation.flag_priority(response, serving, internal)
 
 

@@ -35,7 +35,7 @@ from app.api.adapters.anthropic_schemas import (
 )
 from app.api.deps import KeyNameDep, ServingDep
 from app.api.errors import ERROR_RESPONSES, APIError, InvalidField, anthropic_type
-from app.api.schemas import CalledFunction, ChatMessage, MessageToolCall
+from app.api.schemas import CalledFunction, ChatMessage, MessageToolCall, joined_text
 from app.api.streaming import sse_event
 from app.api.tools import ToolPlan
 from app.serving import Serving
@@ -109,7 +109,7 @@ def chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
     turn where it stands, dropped when it has no text, as vLLM); a ``tool_result`` must answer
     a ``tool_use`` of an earlier assistant message (400 otherwise)."""
     out: list[ChatMessage] = []
-    system = body.system_text()
+    system = joined_text(body.system)
     if system:
         out.append(ChatMessage(role="system", content=system))
     calls: set[str] = set()
@@ -126,7 +126,7 @@ def chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
                                        param=f"messages.{m}.content.{b}")  # fmt: skip
                 if block.tool_use_id not in calls:
                     raise _unmatched(block, f"messages.{m}.content.{b}.tool_use_id")
-                out.append(ChatMessage(role="tool", content=block.text(),
+                out.append(ChatMessage(role="tool", content=joined_text(block.content),
                                        tool_call_id=block.tool_use_id))  # fmt: skip
                 results += 1
             else:

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, StrictStr
 
-from app.api.schemas import FunctionName, NonEmptyText, Priority, Text, UserName, joined_text
+from app.api.schemas import FunctionName, NonEmptyText, Priority, Text, UserName
 from app.models.protocol import SamplingParams
 
 
@@ -33,9 +33,6 @@ class ToolResultBlock(BaseModel):
     tool_use_id: Annotated[StrictStr, Field(min_length=1)]
     content: Text | list[TextBlock] = ""
     is_error: bool = False
-
-    def text(self) -> str:
-        return joined_text(self.content)
 
 
 Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
@@ -81,9 +78,6 @@ class CountTokensRequest(BaseModel):
     system: Text | list[TextBlock] | None = None
     tools: Annotated[list[ToolDef], Field(max_length=128)] = Field(default_factory=list)
     tool_choice: ToolChoiceDef | None = None
-
-    def system_text(self) -> str:
-        return joined_text(self.system)
 
 
 class MessagesRequest(CountTokensRequest):

@@ -49,7 +49,7 @@ from app.api.errors import (
     documented,
 )
 from app.api.logprobs import TokenText, chat_content
-from app.api.schemas import CalledFunction, ChatMessage, MessageToolCall
+from app.api.schemas import CalledFunction, ChatMessage, MessageToolCall, joined_text
 from app.api.streaming import sse_event
 from app.api.tools import ToolPlan
 from app.serving import Serving
@@ -257,11 +257,11 @@ def conversation(
                                    "no function_call item before it",
                                    param=f"input.{index}.call_id",
                                    code="unmatched_function_call_output")  # fmt: skip
-            messages.append(ChatMessage(role="tool", content=item.text(),
+            messages.append(ChatMessage(role="tool", content=joined_text(item.output),
                                         tool_call_id=item.call_id))  # fmt: skip
         else:
             role = "system" if item.role == "developer" else item.role
-            messages.append(ChatMessage(role=role, content=item.text()))
+            messages.append(ChatMessage(role=role, content=joined_text(item.content)))
     return messages, calls
 
 

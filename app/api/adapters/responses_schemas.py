@@ -16,7 +16,6 @@ from app.api.schemas import (
     Text,
     TopLogprobs,
     UserName,
-    joined_text,
 )
 from app.models.protocol import SamplingParams
 
@@ -43,9 +42,6 @@ class MessageItem(BaseModel):
     role: Literal["user", "assistant", "system", "developer"]
     content: Text | list[TextPart]
 
-    def text(self) -> str:
-        return joined_text(self.content)
-
 
 class FunctionCallItem(BaseModel):
     """A function call the model made earlier (sent back by the client with its output)."""
@@ -62,9 +58,6 @@ class FunctionCallOutputItem(BaseModel):
     type: Literal["function_call_output"]
     call_id: Id
     output: Text | list[TextPart]
-
-    def text(self) -> str:
-        return joined_text(self.output)
 
 
 def _item_type(value: Any) -> str | None:
