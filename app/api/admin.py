@@ -10,6 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.api.deps import KeyNameDep, ServingDep
 from app.api.errors import Unavailable, documented, not_serving, response_for
+from app.engine.engine import Engine
 from app.version import version
 
 router = APIRouter(tags=["operations"])
@@ -46,17 +47,13 @@ async def metrics(serving: ServingDep) -> Response:
 async def slots(serving: ServingDep, key_name: KeyNameDep) -> dict[str, Any]:
     """The slot table now: per slot its request, tokens generated, max_tokens and age. With API
     keys, a slot running another key's request shows without its request id and user."""
-    engine = serving.engine
-    table: dict[str, Any] = {
-        "num_slots": engine.config.num_slots,
-        "running": engine.core.num_running,
-        "waiting": engine.core.num_waiting,
-        "slots": serving.ranks.slots(0, key_name),
-    }
+
+    def table(rank: int, engine: Engine) -> dict[str, Any]:
+        return {"num_slots": engine.config.num_slots, "running": engine.core.num_running,
+                "waiting": engine.core.num_waiting,
+                "slots": serving.ranks.slots(rank, key_name)}  # fmt: skip
+
+    out = table(0, serving.engine)  # (serving.engine: 503 while a real model loads)
     if len(serving.engines) > 1:  # --data-parallel-size: the above is rank 0's; every rank's
-        table["ranks"] = [
-            {"rank": rank, "num_slots": e.config.num_slots, "running": e.core.num_running,
-             "waiting": e.core.num_waiting, "slots": serving.ranks.slots(rank, key_name)}
-            for rank, e in enumerate(serving.engines)
-        ]  # fmt: skip
-    return table
+        out["ranks"] = [{"rank": rank} | table(rank, e) for rank, e in enumerate(serving.engines)]
+    return out

@@ -140,14 +140,6 @@ class DashboardFeed:
             await asyncio.sleep(self.interval)
 
 
-def feed_of(request: Request, serving: Serving) -> DashboardFeed:
-    """The app's one feed, made on first use."""
-    feed: DashboardFeed | None = getattr(request.app.state, "dashboard", None)
-    if feed is None:
-        feed = request.app.state.dashboard = DashboardFeed(serving)
-    return feed
-
-
 @router.get("/dashboard", response_class=HTMLResponse, include_in_schema=False)
 async def dashboard() -> HTMLResponse:
     """The live view (one self-contained HTML page)."""
@@ -157,7 +149,9 @@ async def dashboard() -> HTMLResponse:
 @router.get("/dashboard/events", include_in_schema=False)
 async def dashboard_events(request: Request, serving: ServingDep) -> EventSourceResponse:
     """Server-sent events: one ``data:`` JSON frame at most ``FRAME_HZ`` times a second."""
-    feed = feed_of(request, serving)
+    feed: DashboardFeed | None = getattr(request.app.state, "dashboard", None)
+    if feed is None:  # the app's one feed, made on first use
+        feed = request.app.state.dashboard = DashboardFeed(serving)
     if feed.ended or serving.state in ENDED:
         raise not_serving(serving.state)
     if feed.watchers >= MAX_WATCHERS:

@@ -35,12 +35,11 @@ class TokenText:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
-        self._decode = tokenizer.decode
         self._cache: dict[int, tuple[str, list[int]]] = {}
 
     def decode(self, tokens: Sequence[int]) -> str:
         """Several tokens' text, decoded together."""
-        return self._decode(tokens)
+        return self._tokenizer.decode(tokens)
 
     def stream_decoder(self) -> StreamDecoder:
         return self._tokenizer.stream_decoder()

@@ -125,7 +125,10 @@ def chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
                     raise InvalidField("a tool_result block belongs in a user message",
                                        param=f"messages.{m}.content.{b}")  # fmt: skip
                 if block.tool_use_id not in calls:
-                    raise _unmatched(block, f"messages.{m}.content.{b}.tool_use_id")
+                    raise InvalidField(f"tool_result block's tool_use_id {block.tool_use_id!r} "
+                                       "answers no tool_use block of an earlier assistant message",
+                                       param=f"messages.{m}.content.{b}.tool_use_id",
+                                       code="unmatched_tool_result")  # fmt: skip
                 out.append(ChatMessage(role="tool", content=joined_text(block.content),
                                        tool_call_id=block.tool_use_id))  # fmt: skip
                 results += 1
@@ -142,12 +145,6 @@ def chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
             content = "".join(texts) if texts or not called else None
             out.append(ChatMessage(role=message.role, content=content, tool_calls=called or None))
     return out
-
-
-def _unmatched(block: ToolResultBlock, param: str) -> APIError:
-    return InvalidField(f"tool_result block's tool_use_id {block.tool_use_id!r} answers no "
-                        "tool_use block of an earlier assistant message", param=param,
-                        code="unmatched_tool_result")  # fmt: skip
 
 
 def stop_reason(outcome: generation.Outcome) -> str:
