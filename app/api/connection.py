@@ -21,7 +21,6 @@ client can hold before its request even reaches the app.
 from __future__ import annotations
 
 import asyncio
-import logging
 import resource
 import socket
 from dataclasses import dataclass
@@ -30,9 +29,7 @@ from typing import Any, ClassVar
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from app.api.errors import ERROR_CODE_HEADER, error_json
-
-log = logging.getLogger("slotserve.api")
+from app.api.errors import ERROR_CODE_HEADER, error_json, log
 
 EXTENSION = "slotserve.connection"
 HEADROOM = 32  # connections kept for /health and /metrics past max_connections

@@ -16,13 +16,10 @@ has started.
 
 from __future__ import annotations
 
-import logging
-
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.errors import ServerFault, anthropic_error, is_error
+from app.api.errors import ServerFault, anthropic_error, is_error, log
 
-log = logging.getLogger("slotserve.api")
 PREFIX = "/v1/messages"
 
 

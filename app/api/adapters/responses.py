@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -47,6 +46,7 @@ from app.api.errors import (
     Overloaded,
     ServerFault,
     documented,
+    log,
 )
 from app.api.logprobs import TokenText, chat_content
 from app.api.schemas import CalledFunction, ChatMessage, MessageToolCall, joined_text
@@ -57,7 +57,6 @@ from app.structured.constraint import Constraint
 from app.structured.tools import ToolCall, ToolSpec
 
 router = APIRouter(prefix="/v1", tags=["openai"])
-log = logging.getLogger("slotserve.api")
 
 
 def response_store(request: Request) -> ResponseStore:
