@@ -27,7 +27,7 @@ from fastapi.responses import HTMLResponse
 from sse_starlette import EventSourceResponse
 
 from app.api.deps import ServingDep
-from app.api.errors import not_serving, too_many_watchers
+from app.api.errors import RETRY_AFTER, Unavailable, not_serving
 from app.engine.snapshot import EngineSnapshot, SlotView
 from app.metrics import StepTotals
 from app.serving import Serving
@@ -155,7 +155,9 @@ async def dashboard_events(request: Request, serving: ServingDep) -> EventSource
     if feed.ended or serving.state in ENDED:
         raise not_serving(serving.state)
     if feed.watchers >= MAX_WATCHERS:
-        raise too_many_watchers(MAX_WATCHERS)
+        retry = {"Retry-After": RETRY_AFTER}  # 503 past the open streams' bound: one may close
+        raise Unavailable(f"at most {MAX_WATCHERS} dashboards may watch at once",
+                          code="too_many_watchers", headers=retry)  # fmt: skip
 
     async def events() -> AsyncIterator[dict[str, str]]:
         async for frame in feed.frames():

@@ -36,7 +36,6 @@ from app.serving import (
     ModelLoadFailedError,
     ModelLoadingError,
     NotReadyError,
-    context_length_error,
 )
 
 log = logging.getLogger("slotserve.api")
@@ -387,20 +386,9 @@ def not_serving(state: str) -> APIError:
     return Unavailable(f"not serving: {state}", code=state)
 
 
-def too_many_watchers(limit: int) -> APIError:
-    """503 for a dashboard stream past the open streams' bound (one may close: retry)."""
-    return Unavailable(f"at most {limit} dashboards may watch at once",
-                       code="too_many_watchers", headers={"Retry-After": RETRY_AFTER})  # fmt: skip
-
-
 def invalid_request(err: InvalidRequestError) -> APIError:
     """400 for a request the model cannot take (``app.serving`` says why and which field)."""
     return InvalidField(str(err), param=err.param, code=err.code)
-
-
-def context_length_exceeded(prompt_len: int, max_tokens: int, context: int) -> APIError:
-    """400 for a prompt plus ``max_tokens`` that does not fit in the context length."""
-    return invalid_request(context_length_error(prompt_len, max_tokens, context))
 
 
 def model_not_found(requested: str, served: str) -> APIError:

@@ -39,8 +39,8 @@ from fastapi import Request
 from app.api.errors import (
     APIError,
     InvalidField,
-    context_length_exceeded,
     invalid_api_key,
+    invalid_request,
     model_not_found,
     refusal,
 )
@@ -50,7 +50,7 @@ from app.engine.scheduler import set_status
 from app.engine.stream import Delta, RequestStream
 from app.engine.types import FinishReason, RequestStatus, Sequence
 from app.metrics import EngineMetrics
-from app.serving import GenerationParams, Serving
+from app.serving import GenerationParams, Serving, context_length_error
 
 log = logging.getLogger("slotserve.faults")
 
@@ -162,7 +162,8 @@ def _error(failure: str, seq: Sequence, settings: Settings, model: str | None) -
     if failure == "invalid_api_key":
         return invalid_api_key()
     if failure == "context_length":
-        return context_length_exceeded(seq.prompt_len, seq.max_tokens, settings.max_model_len)
+        context = settings.max_model_len
+        return invalid_request(context_length_error(seq.prompt_len, seq.max_tokens, context))
     assert failure == "model_not_found", failure
     return model_not_found(model or settings.model_name, settings.model_name)
 

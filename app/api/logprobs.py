@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from app.models.protocol import Logprobs
-from app.models.tokenizer import StreamDecoder, Tokenizer
+from app.models.tokenizer import Tokenizer
 
 _NEG_INF = -9999.0  # JSON has no -inf: a token the processors banned shows this (as vLLM)
 
@@ -34,20 +34,13 @@ class TokenText:
     are always the true bytes, so a client can join split characters back."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tokenizer = tokenizer
+        self.tokenizer = tokenizer
         self._cache: dict[int, tuple[str, list[int]]] = {}
-
-    def decode(self, tokens: Sequence[int]) -> str:
-        """Several tokens' text, decoded together."""
-        return self._tokenizer.decode(tokens)
-
-    def stream_decoder(self) -> StreamDecoder:
-        return self._tokenizer.stream_decoder()
 
     def _entry(self, token: int) -> tuple[str, list[int]]:
         entry = self._cache.get(token)
         if entry is None:
-            raw = self._tokenizer.token_bytes(token)
+            raw = self.tokenizer.token_bytes(token)
             try:
                 text = raw.decode()
             except UnicodeDecodeError:
@@ -88,7 +81,7 @@ class CompletionLogprobs:
 
     def __init__(self, text: TokenText, top: int, offset: int = 0) -> None:
         self.text, self.top, self.offset = text, top, offset
-        self._decoder = text.stream_decoder()
+        self._decoder = text.tokenizer.stream_decoder()
 
     def render(self, tokens: Sequence[int], entries: Sequence[Logprobs | None]) -> dict[str, Any]:
         out: dict[str, list[Any]] = {

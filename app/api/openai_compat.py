@@ -333,7 +333,7 @@ class CompletionShape(Shape):
             prompt = view.prompt
             prompt_entries = view.prompt_logprobs or [None] * len(prompt)
             logprobs = None if piece.logprobs is None else [*prompt_entries, *piece.logprobs]
-            text = self.text.decode(prompt)
+            text = self.text.tokenizer.decode(prompt)
             piece = Piece(text + piece.text, piece.reason, [*prompt, *piece.tokens], logprobs,
                           index, piece.stop)  # fmt: skip
         rendered, renderer = None, self.logprobs[index]
