@@ -500,10 +500,8 @@ class ResponseEvents(generation.PartShaper):
             yield from self._open_message()
         assert self.said is not None
         self.said.append(delta)
-        logprobs, self.shown = (
-            self.shape.logprobs(self.shown),
-            len(self.shape.run.choices[0].tokens),
-        )
+        logprobs = self.shape.logprobs(self.shown)  # the tokens not sent yet
+        self.shown = len(self.shape.run.choices[0].tokens)
         yield self._event("response.output_text.delta", **self._at(), delta=delta,
                           logprobs=logprobs)  # fmt: skip
 
