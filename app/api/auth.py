@@ -41,22 +41,13 @@ class ApiKeyAuth:
         await self.app(scope, receive, send)
 
 
-def bearer_token(scope: Scope) -> bytes:
-    """The token of an ``Authorization: Bearer`` header (scheme case-insensitive), else b""."""
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            scheme, _, token = value.partition(b" ")
-            return token.strip() if scheme.lower() == b"bearer" else b""
-    return b""
-
-
 def request_key(scope: Scope) -> bytes:
-    """The key a request presents: ``Authorization: Bearer`` (OpenAI's clients), else
-    ``x-api-key`` (Anthropic's), else b"". Both are checked against the same named keys."""
-    token = bearer_token(scope)
-    if token:
-        return token
-    for name, value in scope["headers"]:
-        if name == b"x-api-key":
-            return bytes(value.strip())
-    return b""
+    """The key a request presents: the token of its first ``Authorization`` header when that is
+    ``Bearer`` (scheme case-insensitive; OpenAI's clients), else ``x-api-key`` (Anthropic's),
+    else b"". Both are checked against the same named keys."""
+    headers = scope["headers"]
+    authorization = next((value for name, value in headers if name == b"authorization"), b"")
+    scheme, _, token = authorization.partition(b" ")
+    if scheme.lower() == b"bearer" and token.strip():
+        return bytes(token.strip())
+    return next((bytes(value.strip()) for name, value in headers if name == b"x-api-key"), b"")
