@@ -24,6 +24,7 @@ import asyncio
 import resource
 import socket
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any, ClassVar
 
 import httptools
@@ -59,8 +60,8 @@ def guarded_protocol(limits: ConnectionLimits) -> type[GuardedHttpToolsProtocol]
     return type("SlotserveHttpProtocol", (GuardedHttpToolsProtocol,), {"limits": limits})
 
 
-def _reply(status: int, reason: bytes, message: str, code: str) -> bytes:
-    body = error_json(status, message)
+def _reply(status: int, message: str, code: str) -> bytes:
+    body, reason = error_json(status, message), HTTPStatus(status).phrase.encode()
     head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n" % (
         status, reason, len(body))  # fmt: skip
     head += b"%s: %s\r\n" % (ERROR_CODE_HEADER.lower().encode(), code.encode())
@@ -87,11 +88,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if len(self.connections) > self.limits.max_connections + HEADROOM:
             slowest = self._slowest_other()
             if slowest is None:
-                self._refuse(503, b"Service Unavailable", "too many open connections",
-                             "too_many_connections")  # fmt: skip
+                self._refuse(503, "too many open connections", "too_many_connections")
                 return
-            slowest._refuse(408, b"Request Timeout", "closed for a new connection: request "
-                            "headers were still incomplete", "header_timeout")  # fmt: skip
+            slowest._refuse(408, "closed for a new connection: request headers were still "
+                            "incomplete", "header_timeout")  # fmt: skip
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_BUFFER_BYTES)
@@ -119,9 +119,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().data_received(data[:room])  # the part within the bound may end the headers
         if self._header_blocks == ended:  # no header block ended within the bound (a
             # pipelined request that did end one may leave the next one awaiting its headers)
-            self._refuse(431, b"Request Header Fields Too Large",
-                         f"request line and headers exceed {self.limits.max_header_bytes} bytes",
-                         "headers_too_large")  # fmt: skip
+            self._refuse(431, f"request line and headers exceed {self.limits.max_header_bytes} "
+                         "bytes", "headers_too_large")  # fmt: skip
             return
         super().data_received(data[room:])
 
@@ -160,12 +159,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         responding = self.cycle is not None and not self.cycle.response_complete
         return self._awaiting_headers and not responding and not self.transport.is_closing()
 
-    def _refuse(self, status: int, reason: bytes, message: str, code: str) -> None:
+    def _refuse(self, status: int, message: str, code: str) -> None:
         self._disarm_deadline()
         if self.transport.is_closing():
             return  # already answered (e.g. uvicorn's own 400 for a malformed request)
         log.info("refused a connection: %s (%d)", message, status)
-        self.transport.write(_reply(status, reason, message, code))
+        self.transport.write(_reply(status, message, code))
         self.transport.close()
 
     def _arm_deadline(self) -> None:
@@ -180,9 +179,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _headers_late(self) -> None:
         self._deadline = None
         if self._awaiting_headers and not self.transport.is_closing():
-            self._refuse(408, b"Request Timeout",
-                         f"request headers not complete within {self.limits.header_timeout} s",
-                         "header_timeout")  # fmt: skip
+            self._refuse(408, f"request headers not complete within "
+                         f"{self.limits.header_timeout} s", "header_timeout")  # fmt: skip
 
 
 async def _connection_limit_reached(scope: Any, receive: Any, send: Any) -> None:
