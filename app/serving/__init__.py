@@ -14,7 +14,7 @@ import logging
 import random
 import time
 
-from app.config import Settings
+from app.config import Settings, priority_limits
 from app.engine import errors
 from app.engine.engine import Engine
 from app.engine.stream import RequestStream
@@ -91,7 +91,7 @@ class Serving:
         books = self.ranks.engines[0].core.scheduler.books
         self._validator = validation.Validator(
             settings, loaded.models[0], loaded.tokenizer, loaded.grammars, books,
-            settings.priority_limits(),
+            priority_limits(settings.max_priority_for),
         )  # fmt: skip
 
     def _loaded(self) -> validation.Validator:
