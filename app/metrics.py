@@ -8,12 +8,12 @@ from the engine when scraped, so they are never stale (not even after a burst of
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from itertools import product
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -58,15 +58,8 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.
 
 def token_buckets(max_model_len: int) -> tuple[int, ...]:
     """vLLM's buckets for token counts: 1, 2, 5, 10, 20, 50 ... up to ``max_model_len``."""
-    buckets: list[int] = []
-    exponent = 0
-    while True:
-        for mantissa in (1, 2, 5):
-            value = mantissa * 10**exponent
-            if value > max_model_len:
-                return tuple(buckets)
-            buckets.append(value)
-        exponent += 1
+    values = (mantissa * 10**exponent for exponent in itertools.count() for mantissa in (1, 2, 5))
+    return tuple(itertools.takewhile(lambda value: value <= max_model_len, values))
 
 
 # Every reason ``EngineMetrics.reject`` is called with (app/serving.py).
@@ -376,7 +369,7 @@ class EngineMetrics:
             "(non_streaming), once per delta (streaming).", TOOL_PARSER_LABELS, registry=None,
         )  # fmt: skip
         modes, outcomes = ("streaming", "non_streaming"), ("tool_call", "no_tool_call")
-        series = product([model_name], modes, outcomes, REQUEST_TYPES)
+        series = itertools.product([model_name], modes, outcomes, REQUEST_TYPES)
         export_at_zero(self.tool_parser, *series)
         self.registry = ranked_registry([self])  # this rank alone: engine="0"
 

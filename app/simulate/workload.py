@@ -119,11 +119,7 @@ def _spread(rng: random.Random, count: int, start: float, duration: float) -> li
     add up to ``duration`` (inference-perf's constant load)."""
     gaps = [rng.expovariate(1.0) for _ in range(count)]
     scale = duration / sum(gaps) if count else 0.0
-    times, t = [], start
-    for gap in gaps:
-        t += gap * scale
-        times.append(t)
-    return times
+    return list(itertools.accumulate((gap * scale for gap in gaps), initial=start))[1:]
 
 
 def _poisson(rng: random.Random, rate: float) -> int:
