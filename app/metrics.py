@@ -388,8 +388,7 @@ class EngineMetrics:
         )  # fmt: skip
         waiting.labels(name, "capacity").set_function(lambda: core.num_waiting)
         waiting.labels(name, "deferred").set(0)
-        slots = core.scheduler.slots
-        self.slots_out_of_service.labels(name).set_function(lambda: len(slots.out_of_service))
+        self.slots_out_of_service.labels(name).set_function(lambda: len(table.out_of_service))
         # exceptions this observer raised into the engine, which contained them (read from the
         # engine, so it counts even when metrics are broken)
         errors = ReadOnScrape(
