@@ -9,22 +9,12 @@ is an ``int`` (``5.7`` and ``"4096"`` are refused, not rounded or parsed).
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 
 def _show(bound: float) -> str:
     return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"
-
-
-def _range(minimum: float | None, above: float | None, maximum: float | None) -> str:
-    parts = []
-    if above is not None:
-        parts.append(f"> {_show(above)}")
-    if minimum is not None:
-        parts.append(f">= {_show(minimum)}")
-    if maximum is not None:
-        parts.append(f"<= {_show(maximum)}")
-    return " and ".join(parts)
 
 
 def _check_range(
@@ -36,12 +26,12 @@ def _check_range(
     above: float | None,
     maximum: float | None,
 ) -> None:
-    if (
-        (minimum is not None and value < minimum)
-        or (above is not None and value <= above)
-        or (maximum is not None and value > maximum)
-    ):
-        raise error(f"{name} must be {kind} {_range(minimum, above, maximum)}, got {value!r}")
+    """Raise ``error`` naming ``kind`` and every bound given unless ``value`` is within them."""
+    rules = ((">", above, operator.gt), (">=", minimum, operator.ge), ("<=", maximum, operator.le))
+    bounds = [(sign, bound, holds) for sign, bound, holds in rules if bound is not None]
+    if not all(holds(value, bound) for _, bound, holds in bounds):
+        wanted = " and ".join(f"{sign} {_show(bound)}" for sign, bound, _ in bounds)
+        raise error(f"{name} must be {kind} {wanted}, got {value!r}")
 
 
 def number(

@@ -387,10 +387,6 @@ class Settings(BaseSettings):
         priority_limits(value)
         return value
 
-    def priority_limits(self) -> dict[str, int]:
-        """``--max-priority-for`` as {key name: best priority it may claim}."""
-        return priority_limits(self.max_priority_for)
-
     @field_validator("lora_modules", mode="before")
     @classmethod
     def _split_modules(cls, value: Any) -> Any:
@@ -564,7 +560,8 @@ class Settings(BaseSettings):
 
 
 def priority_limits(value: str) -> dict[str, int]:
-    """Parse ``KEY=LEVEL,KEY=LEVEL`` (LEVEL an integer in [-1000, 1000]); ValueError if bad."""
+    """``--max-priority-for``'s ``KEY=LEVEL,KEY=LEVEL`` (LEVEL an integer in [-1000, 1000]) as
+    {key name: best priority it may claim}; ValueError if bad."""
     limits: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in value.split(","))):
         name, sep, level = item.partition("=")

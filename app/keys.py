@@ -40,7 +40,8 @@ class ApiKeys:
         self.keys = tuple(keys)
         names = [key.name for key in self.keys]
         if len(set(names)) != len(names):
-            raise ValueError(f"API key name {_first_repeat(names)!r} is given twice")
+            twice = next(name for i, name in enumerate(names) if name in names[:i])
+            raise ValueError(f"API key name {twice!r} is given twice")
         if len({key.secret for key in self.keys}) != len(self.keys):
             raise ValueError("the same API key is given twice (under two names)")
 
@@ -99,12 +100,3 @@ def read_file(path: Path) -> list[ApiKey]:
     if not keys:
         raise ValueError(f"API keys file {str(path)!r} holds no key")
     return keys
-
-
-def _first_repeat(names: list[str]) -> str:
-    seen: set[str] = set()
-    for name in names:
-        if name in seen:
-            return name
-        seen.add(name)
-    return ""

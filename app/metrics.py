@@ -8,12 +8,12 @@ from the engine when scraped, so they are never stale (not even after a burst of
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from itertools import product
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -58,15 +58,8 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.
 
 def token_buckets(max_model_len: int) -> tuple[int, ...]:
     """vLLM's buckets for token counts: 1, 2, 5, 10, 20, 50 ... up to ``max_model_len``."""
-    buckets: list[int] = []
-    exponent = 0
-    while True:
-        for mantissa in (1, 2, 5):
-            value = mantissa * 10**exponent
-            if value > max_model_len:
-                return tuple(buckets)
-            buckets.append(value)
-        exponent += 1
+    values = (mantissa * 10**exponent for exponent in itertools.count() for mantissa in (1, 2, 5))
+    return tuple(itertools.takewhile(lambda value: value <= max_model_len, values))
 
 
 # Every reason ``EngineMetrics.reject`` is called with (app/serving.py).
@@ -111,60 +104,21 @@ class WeightedHistogram(Collector):
         yield family
 
 
-class ObserverErrors(Collector):
-    """``slotserve:observer_errors_total``: exceptions this observer raised into the engine,
-    which contained them (read from the engine, so it counts even when metrics are broken)."""
+class ReadOnScrape(Collector):
+    """One family whose samples are read from their source when scraped: ``read()`` gives each
+    sample's label values (for ``labels``) and value; ``kind`` is the family's class (a counter
+    or a gauge)."""
 
-    def __init__(self, core: EngineCore, labels: dict[str, str]) -> None:
-        self.core, self.labels = core, labels
+    def __init__(
+        self, kind: type[CounterMetricFamily | GaugeMetricFamily], name: str, doc: str,
+        labels: Seq[str], read: Callable[[], Iterable[tuple[Seq[str], float]]],
+    ) -> None:  # fmt: skip
+        self.kind, self.name, self.doc, self.labels, self.read = kind, name, doc, labels, read
 
-    def collect(self) -> Iterable[CounterMetricFamily]:
-        family = CounterMetricFamily(
-            "slotserve:observer_errors", "Errors raised by the metrics observer (contained).",
-            labels=list(self.labels),
-        )  # fmt: skip
-        family.add_metric(list(self.labels.values()), sum(self.core.observer_errors.values()))
-        yield family
-
-
-class LoRAInfo(Collector):
-    """``vllm:lora_requests_info`` as vLLM exports it: one series whose labels name the LoRA
-    adapters of the running and of the waiting requests (comma lists, sorted) and
-    ``max_lora``, and whose value is the time it was read (routers keep the newest)."""
-
-    def __init__(self, core: EngineCore, max_loras: int) -> None:
-        self.core, self.max_loras = core, max_loras
-
-    def collect(self) -> Iterable[GaugeMetricFamily]:
-        scheduler = self.core.scheduler
-        running = {s.lora for s in scheduler.slots.running() if s.lora is not None}
-        waiting = {s.lora for s in scheduler.waiting if s.lora is not None}
-        family = GaugeMetricFamily(
-            "vllm:lora_requests_info", "Running stats on lora requests.",
-            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
-        )  # fmt: skip
-        labels = [str(self.max_loras), ",".join(sorted(waiting)), ",".join(sorted(running))]
-        family.add_metric(labels, time.time())
-        yield family
-
-
-class KVEventCounters(Collector):
-    """``slotserve:kv_events_batches_total``: KV-event batches by outcome (``published``;
-    ``dropped``: past the events held back for a full send queue; ``failed``: the send raised),
-    read from the publisher."""
-
-    def __init__(self, publisher: KVEventPublisher, labels: dict[str, str]) -> None:
-        self.publisher, self.labels = publisher, labels
-
-    def collect(self) -> Iterable[CounterMetricFamily]:
-        family = CounterMetricFamily(
-            "slotserve:kv_events_batches", "KV-event batches by outcome.",
-            labels=[*self.labels, "outcome"],
-        )  # fmt: skip
-        values, pub = list(self.labels.values()), self.publisher
-        for outcome, count in (("published", pub.published), ("dropped", pub.dropped),
-                               ("failed", pub.errors)):  # fmt: skip
-            family.add_metric([*values, outcome], count)
+    def collect(self) -> Iterable[Metric]:
+        family = self.kind(self.name, self.doc, labels=list(self.labels))
+        for values, value in self.read():
+            family.add_metric(list(values), value)
         yield family
 
 
@@ -415,7 +369,7 @@ class EngineMetrics:
             "(non_streaming), once per delta (streaming).", TOOL_PARSER_LABELS, registry=None,
         )  # fmt: skip
         modes, outcomes = ("streaming", "non_streaming"), ("tool_call", "no_tool_call")
-        series = product([model_name], modes, outcomes, REQUEST_TYPES)
+        series = itertools.product([model_name], modes, outcomes, REQUEST_TYPES)
         export_at_zero(self.tool_parser, *series)
         self.registry = ranked_registry([self])  # this rank alone: engine="0"
 
@@ -434,9 +388,15 @@ class EngineMetrics:
         )  # fmt: skip
         waiting.labels(name, "capacity").set_function(lambda: core.num_waiting)
         waiting.labels(name, "deferred").set(0)
-        slots = core.scheduler.slots
-        self.slots_out_of_service.labels(name).set_function(lambda: len(slots.out_of_service))
-        self.families.register(ObserverErrors(core, {"model_name": name}))
+        self.slots_out_of_service.labels(name).set_function(lambda: len(table.out_of_service))
+        # exceptions this observer raised into the engine, which contained them (read from the
+        # engine, so it counts even when metrics are broken)
+        errors = ReadOnScrape(
+            CounterMetricFamily, "slotserve:observer_errors",
+            "Errors raised by the metrics observer (contained).", ["model_name"],
+            lambda: [([name], sum(core.observer_errors.values()))],
+        )  # fmt: skip
+        self.families.register(errors)
         # vLLM's cache description (routers and gateways read the cache's size from its labels;
         # vLLM writes them with str(), hence "True"/"False"); value 1
         info = Gauge(
@@ -447,12 +407,34 @@ class EngineMetrics:
         info.labels(str(books.block_size), str(books.total), str(cached)).set(1)
 
     def watch_loras(self, core: EngineCore, max_loras: int) -> None:
-        """Export ``vllm:lora_requests_info`` read from ``core``."""
-        self.families.register(LoRAInfo(core, max_loras))
+        """Export ``vllm:lora_requests_info`` read from ``core``, as vLLM exports it: one series
+        whose labels name the LoRA adapters of the running and of the waiting requests (comma
+        lists, sorted) and ``max_lora``, and whose value is the time it was read (routers keep
+        the newest)."""
+
+        def read() -> list[tuple[list[str], float]]:
+            running = {s.lora for s in core.scheduler.slots.running() if s.lora is not None}
+            waiting = {s.lora for s in core.scheduler.waiting if s.lora is not None}
+            return [([str(max_loras), ",".join(sorted(waiting)), ",".join(sorted(running))],
+                     time.time())]  # fmt: skip
+
+        labels = ["max_lora", "waiting_lora_adapters", "running_lora_adapters"]
+        info = ReadOnScrape(GaugeMetricFamily, "vllm:lora_requests_info",
+                            "Running stats on lora requests.", labels, read)  # fmt: skip
+        self.families.register(info)
 
     def watch_kv_events(self, publisher: KVEventPublisher) -> None:
-        """Export ``publisher``'s batch counters."""
-        self.families.register(KVEventCounters(publisher, {"model_name": self.model_name}))
+        """Export ``slotserve:kv_events_batches_total``: ``publisher``'s KV-event batches by
+        outcome (``published``; ``dropped``: past the events held back for a full send queue;
+        ``failed``: the send raised)."""
+        name = self.model_name
+        batches = ReadOnScrape(
+            CounterMetricFamily, "slotserve:kv_events_batches", "KV-event batches by outcome.",
+            ["model_name", "outcome"],
+            lambda: [([name, "published"], publisher.published),
+                     ([name, "dropped"], publisher.dropped), ([name, "failed"], publisher.errors)],
+        )  # fmt: skip
+        self.families.register(batches)
 
     def watch_sleep(self, level: Callable[[], int]) -> None:
         """Export ``vllm:engine_sleep_state`` read from ``level()`` (0: awake, 1: weights

@@ -287,7 +287,7 @@ def _enqueue_choice(
     if source is None:
         return serving.enqueue(serving.prepare(params), rank)
     if rank is None and len(serving.engines) > 1:
-        home = serving.rank_of(source.request_id)
+        home = serving.ranks.rank_of(source.request_id)
         if home is None or not serving.has_room(home):  # (None: its source has ended)
             return serving.enqueue(serving.prepare(params), None)
         rank = home

@@ -53,7 +53,7 @@ async def cancel(request_id: str, serving: ServingDep, key_name: KeyNameDep) -> 
     """Cancel a waiting or running request; its stream ends with ``finish_reason: abort``. The
     answer comes once the engine has applied the abort, so the id can be reused at once. With
     API keys, another key's request is a 404, as an unknown one."""
-    if not await serving.cancel(request_id, key_name):
+    if not await serving.ranks.cancel(request_id, key_name):
         raise NotFound(f"no live request with id {request_id!r}",
                        param="request_id", code="request_not_found")  # fmt: skip
     return {"request_id": request_id, "cancelled": True}

@@ -169,7 +169,6 @@ async def _read(
     response: httpx.Response, target: Target, spec: RequestSpec, result: RequestResult
 ) -> None:
     decoder = SSEDecoder()
-    chunks, cancel_after = result.chunks, spec.cancel_after
     raw = response.aiter_bytes() if response.headers.get("content-encoding") else None
     total: int | None = None
     async for data in raw or response.aiter_raw():
@@ -181,22 +180,20 @@ async def _read(
             total = parsed.total_tokens if parsed.total_tokens is not None else total
             result.finish_reason = parsed.finish_reason or result.finish_reason
             if parsed.end:
-                _account(result, chunks, now, got, total)
+                _account(result, now, got, total)
                 result.status = "failed" if parsed.error else "completed"
                 result.error = parsed.error
                 return
-        _account(result, chunks, now, got, None)
-        if cancel_after is not None and result.tokens >= cancel_after:
+        _account(result, now, got, None)
+        if spec.cancel_after is not None and result.tokens >= spec.cancel_after:
             result.status = "cancelled"
             return  # leaving the stream's context closes the connection
     result.error = "the stream ended without a final event"
 
 
-def _account(
-    result: RequestResult, chunks: list[float], now: float, got: int, total: int | None
-) -> None:
+def _account(result: RequestResult, now: float, got: int, total: int | None) -> None:
     if got:
-        chunks.append(now)
+        result.chunks.append(now)
         result.tokens += got
     if total is not None:
         result.tokens = total

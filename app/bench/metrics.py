@@ -13,6 +13,7 @@ Cancelled and failed requests are counted, not timed.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -115,10 +116,7 @@ def summarize(
     without an SLO."""
     completed = [r for r in results if r.status == "completed"]
     times = [t for t in map(request_times, completed) if t is not None]
-    errors: dict[str, int] = {}
-    for r in results:
-        if r.status == "failed":
-            errors[r.error or "unknown"] = errors.get(r.error or "unknown", 0) + 1
+    errors = dict(Counter(r.error or "unknown" for r in results if r.status == "failed"))
     output_tokens = sum(r.tokens for r in completed)
     rate = 1.0 / duration_s if duration_s > 0 else math.nan
     good = None if not slo else sum(meets(t, slo) for t in times) * rate

@@ -138,14 +138,13 @@ async def run_specs(
     specs: Sequence[RequestSpec],
     start: float,
     concurrency: int | None,
-    progress: Progress | None = None,
-    stop: asyncio.Event | None = None,
+    progress: Progress | None,
+    stop: asyncio.Event,
 ) -> list[RequestResult]:
     """Send each spec at ``start + send_at`` (later if ``concurrency`` requests are in flight)
     and return the results in spec order. Once ``stop`` is set, nothing more is sent, the
     requests in flight are cancelled (their streams closed) and only those that ended before
     are returned."""
-    stop = stop or asyncio.Event()
     limit = asyncio.Semaphore(concurrency) if concurrency else None
     ended: dict[int, RequestResult] = {}
 

@@ -26,12 +26,7 @@ class SSEDecoder:
             buffer = buffer.replace(b"\r\n", b"\n")  # a lone trailing \r waits for its \n
         blocks = buffer.split(b"\n\n")
         self._buffer = blocks.pop()
-        events = []
-        for block in blocks:
-            event = _parse_block(block)
-            if event is not None:
-                events.append(event)
-        return events
+        return [event for block in blocks if (event := _parse_block(block)) is not None]
 
 
 def _parse_block(block: bytes) -> tuple[str, bytes] | None:

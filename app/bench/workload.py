@@ -6,6 +6,7 @@ run and in every process (benchmark scripts rebuild it to compute a schedule's i
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import dataclass
@@ -99,14 +100,10 @@ def arrival_times(n: int, rate: float, burstiness: float, rng: random.Random) ->
     """Send offsets (seconds) of ``n`` requests: gaps drawn from a gamma distribution with
     shape ``burstiness`` and mean ``1 / rate`` (as ``vllm bench serve``); all 0 if the rate is
     infinite. The first request goes at 0."""
-    if math.isinf(rate):
+    if math.isinf(rate) or n == 0:
         return [0.0] * n
-    times, now = [], 0.0
-    for i in range(n):
-        if i:
-            now += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
-        times.append(now)
-    return times
+    gaps = (rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(n - 1))
+    return list(itertools.accumulate(gaps, initial=0.0))
 
 
 def build(config: WorkloadConfig) -> list[RequestSpec]:

@@ -14,7 +14,7 @@ import logging
 import random
 import time
 
-from app.config import Settings
+from app.config import Settings, priority_limits
 from app.engine import errors
 from app.engine.engine import Engine
 from app.engine.stream import RequestStream
@@ -91,7 +91,7 @@ class Serving:
         books = self.ranks.engines[0].core.scheduler.books
         self._validator = validation.Validator(
             settings, loaded.models[0], loaded.tokenizer, loaded.grammars, books,
-            settings.priority_limits(),
+            priority_limits(settings.max_priority_for),
         )  # fmt: skip
 
     def _loaded(self) -> validation.Validator:
@@ -206,10 +206,6 @@ class Serving:
         self.ranks.metrics[rank].attribute(stream.request_id, key)
         return stream
 
-    def rank_of(self, request_id: str) -> int | None:
-        """The data-parallel rank whose engine holds the live request ``request_id``."""
-        return self.ranks.rank_of(request_id)
-
     def has_room(self, rank: int) -> bool:
         """Whether rank ``rank``'s engine would take one more request now (``enqueue`` would
         not raise ``QueueFullError``)."""
@@ -243,10 +239,6 @@ class Serving:
         ``error``); its stream ends and its slot is free before the next model call. False if
         no live request has this id."""
         return self.ranks.abort(request_id, reason)
-
-    async def cancel(self, request_id: str, owner: str | None = None) -> bool:
-        """``Ranks.cancel``: abort a live request (``owner``'s only) and wait until it ends."""
-        return await self.ranks.cancel(request_id, owner)
 
     def output_tokens(self, prompt_len: int, requested: int | None) -> int:
         """``validation.output_tokens`` under the current settings."""

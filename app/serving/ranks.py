@@ -56,14 +56,13 @@ class Ranks:
             )
             for _ in range(settings.data_parallel_size)
         ]
-        for metrics in self.metrics:  # vllm:engine_sleep_state
-            metrics.watch_sleep(sleep_level)
         deprecated = settings.show_hidden_metrics_for_version is not None
         self.registry = ranked_registry(self.metrics, deprecated)
         self.events: list[KVEventPublisher | None] = []
         self.engines: list[Engine] = []
         try:
             for rank_metrics in self.metrics:
+                rank_metrics.watch_sleep(sleep_level)  # vllm:engine_sleep_state
                 publisher = kv_event_publisher(settings, len(self.events))
                 self.events.append(publisher)
                 if publisher is not None:

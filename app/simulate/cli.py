@@ -130,12 +130,8 @@ def _setup(args: argparse.Namespace) -> tuple[StepTimeModel, SchedulerConfig, Ov
         preset = PROFILES[args.profile]
         model: StepTimeModel = StepCosts(preset.step_us / 1000, preset.prefill_token_us / 1000,
                                          preset.decode_token_us / 1000)  # fmt: skip
-        kv, longest, vocab, overheads = (
-            preset.kv_cache_tokens,
-            args.max_model_len or PROFILE_LIMITS["max_model_len"],
-            DEFAULT_VOCAB,
-            Overheads(),
-        )
+        kv, vocab, overheads = preset.kv_cache_tokens, DEFAULT_VOCAB, Overheads()
+        longest = args.max_model_len or PROFILE_LIMITS["max_model_len"]
     else:
         shape = load_model_config(args.model_config)
         device = gpu(args.gpu or "h100-sxm")

@@ -16,6 +16,7 @@ analysis reads a real run and a simulated one. Latencies are what the client wou
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import math
 from collections.abc import Sequence
@@ -57,10 +58,8 @@ def summarize(
     total = sum(w for _, w in pairs)
     if not total:
         return None
-    cumulative, running = [], 0
-    for _, w in pairs:
-        running += w
-        cumulative.append(running)  # value i covers ranks cumulative[i-1] .. cumulative[i]-1
+    # value i covers ranks cumulative[i-1] .. cumulative[i]-1
+    cumulative = list(itertools.accumulate(w for _, w in pairs))
 
     def at(rank: int) -> float:
         return pairs[bisect.bisect_right(cumulative, rank)][0]

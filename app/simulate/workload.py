@@ -23,6 +23,7 @@ the model's vocabulary; only their equality matters (the prefix cache).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -118,11 +119,7 @@ def _spread(rng: random.Random, count: int, start: float, duration: float) -> li
     add up to ``duration`` (inference-perf's constant load)."""
     gaps = [rng.expovariate(1.0) for _ in range(count)]
     scale = duration / sum(gaps) if count else 0.0
-    times, t = [], start
-    for gap in gaps:
-        t += gap * scale
-        times.append(t)
-    return times
+    return list(itertools.accumulate((gap * scale for gap in gaps), initial=start))[1:]
 
 
 def _poisson(rng: random.Random, rate: float) -> int:
@@ -218,10 +215,7 @@ def _shared_prefix(
             else:
                 prompts.append(([], o, system_len + q))
     rng.shuffle(prompts)
-    i = 0
-    while True:
-        yield prompts[i % len(prompts)]
-        i += 1
+    yield from itertools.cycle(prompts)
 
 
 def _random(
@@ -238,14 +232,11 @@ def _random(
                                maximum=MAX_REQUESTS)  # fmt: skip
         dists[name] = _lengths(rng, dist, count, f"data.{name}", minimum)
     inputs, outputs = dists["input_distribution"], dists["output_distribution"]
-    n = 0
-    while True:
-        length, output = inputs[n % len(inputs)], outputs[n % len(outputs)]
+    for length, output in zip(itertools.cycle(inputs), itertools.cycle(outputs), strict=False):
         if _fits(length, output, max_len):
             yield tokens.new(length, "data.input_distribution"), output, 0
         else:
             yield [], output, length
-        n += 1
 
 
 def _data(

@@ -165,9 +165,7 @@ class PhysicsStepTime:
     def seconds(self, work: StepWork) -> float:
         if not work.decode_contexts and not work.prefill_lengths:
             return 0.0
-        c = self._coefficients
-        b = self.basis(work)
-        total = c[0] * b[0] + c[1] * b[1] + c[2] * b[2] + c[3] * b[3] + c[4] * b[4] + c[5]
+        total = sum(c * b for c, b in zip(self._coefficients, self.basis(work), strict=True))
         return total + self.lora_load_s * work.lora_loads
 
 

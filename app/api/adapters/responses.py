@@ -135,7 +135,7 @@ async def cancel(
         raise InvalidField(f"Cannot cancel a response that is already {entry.status}.",
                            param="response_id", code="not_cancellable")  # fmt: skip
     entry.cancelled = True
-    await serving.cancel(entry.id)
+    await serving.ranks.cancel(entry.id)
     if entry.task is not None:
         with contextlib.suppress(BaseException):  # its entry says how it ended
             await asyncio.shield(entry.task)
