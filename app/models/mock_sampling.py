@@ -33,16 +33,11 @@ LN2 = math.log(2.0)
 NextToken = Callable[[Seq[int]], int]
 
 
-def banned_tokens(params: SamplingParams, history: TokenHistory) -> set[int]:
-    """The tokens ``params`` forbids as the next token of ``history`` (allow-list aside)."""
-    return bias_bans(params).union(rule_bans(params, history))
-
-
 def choose(predicted: int, params: SamplingParams, history: TokenHistory, vocab: int) -> int:
     """``predicted``, or the first allowed token after it in the mock's fallback order."""
     if not params.constrains_choice:
         return predicted
-    banned = banned_tokens(params, history)
+    banned = bias_bans(params).union(rule_bans(params, history))  # the allow-list aside
     allowed = params.allowed_token_ids
 
     def ok(token: int) -> bool:

@@ -29,21 +29,9 @@ class HFTokenizer:
         self, tokenizer: Any, *, vocab_size: int, stop_token_ids: frozenset[int], eos_token_id: int
     ) -> None:
         self._tok = tokenizer
-        self._vocab_size = vocab_size
-        self._stop = stop_token_ids | {eos_token_id}
-        self._eos = eos_token_id
-
-    @property
-    def eos_token_id(self) -> int:
-        return self._eos
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def stop_token_ids(self) -> frozenset[int]:
-        return self._stop
+        self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids | {eos_token_id}
+        self.eos_token_id = eos_token_id
 
     def backend_json(self) -> str:
         """The ``tokenizers`` JSON of this tokenizer, without padding or truncation (the grammar
@@ -67,7 +55,7 @@ class HFTokenizer:
 
     @property
     def special_ids(self) -> frozenset[int]:
-        return frozenset(self._tok.all_special_ids) | self._stop
+        return frozenset(self._tok.all_special_ids) | self.stop_token_ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(
