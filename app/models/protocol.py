@@ -68,12 +68,15 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """Whether a logits processor applies to this request (penalties, bias, bans, ...)."""
+        return self.penalizes or bool(self.logit_bias) or self.constrains_choice
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether a frequency, presence or repetition penalty applies."""
         return (
             self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
             or self.repetition_penalty != 1.0
-            or bool(self.logit_bias)
-            or self.constrains_choice  # min_tokens, bad words, an allow-list
         )
 
     @property

@@ -50,14 +50,10 @@ def process(
     ]
     if not rows:
         return
-    _penalties(logits, [r for r in rows if _penalized(r[1]) and r[2] is not None])
+    _penalties(logits, [r for r in rows if r[1].penalizes and r[2] is not None])
     _bias(logits, [r for r in rows if r[1].logit_bias])
     _bans(logits, [r for r in rows if r[1].min_tokens or r[1].bad_words])
     _allow(logits, [r for r in rows if r[1].allowed_token_ids is not None])
-
-
-def _penalized(p: SamplingParams) -> bool:
-    return p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
 def _penalties(logits: torch.Tensor, rows: Rows) -> None:
