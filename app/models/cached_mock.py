@@ -116,15 +116,10 @@ class CachedMockModel(MockBase):
     def _prompt_logprobs(
         self, chunk: PrefillChunk, out: dict[str, tuple[int, list[Logprobs]]]
     ) -> None:
-        vocab = self.language.vocab_size
-        top, history = chunk.sampling.prompt_logprobs, chunk.history
-        if top is None or history is None:
-            return
-        first = chunk.start + 1
-        end = min(chunk.start + len(chunk.token_ids) + 1, history.prompt_len)
-        if first < end:
-            tokens = history.tokens
-            out[chunk.request_id] = (
-                first,
-                prompt_logprobs(self.language.next_token, tokens, first, end, top, vocab),
+        count, first, history = chunk.prompt_logprob_count, chunk.start + 1, chunk.history
+        if count and history is not None:
+            language, top = self.language, chunk.sampling.prompt_logprobs or 0
+            entries = prompt_logprobs(
+                language.next_token, history.tokens, first, first + count, top, language.vocab_size
             )
+            out[chunk.request_id] = (first, entries)

@@ -124,13 +124,12 @@ def load_model(
     if spec == SMOLLM2:
         folder = smollm2_folder(cache_root)
         compiled_in = folder / "inductor-cache"
-        name = SMOLLM2_NAME
     elif spec.startswith("hf:") and spec[3:]:
         folder = checkpoint_folder(spec[3:])
-        name = served_name(spec)
         compiled_in = cache_root / "inductor-cache"
     else:
         raise ModelLoadError(f"unknown model {spec!r}: expected smollm2 or hf:PATH")
+    name = served_name(spec)
     require("torch", "transformers", "safetensors")
     go_offline()
     from app.models.hf.compiled import resolve

@@ -136,20 +136,17 @@ class HFModel:
         rows = list(range(len(tokens)))
         params: list[SamplingParams] = list(batch.decode_sampling)
         positions = [p + 1 for p in decode_positions]
-        scored: list[tuple[PrefillChunk, int]] = []
+        scored: list[int] = []  # the prompt positions' rows, after every sampled row
         for chunk in batch.prefills:
-            scored.append((chunk, len(tokens)))
+            if prompt_rows is not None and (count := chunk.prompt_logprob_count):
+                prompt_rows.append((chunk, count))
+                scored.extend(range(len(tokens), len(tokens) + count))
             tokens.extend(chunk.token_ids)
             if chunk.sample:
                 rows.append(len(tokens) - 1)
                 params.append(chunk.sampling)
                 positions.append(chunk.start + len(chunk.token_ids))
-        if prompt_rows is not None:
-            for chunk, offset in scored:
-                count = _prompt_positions(chunk)
-                if count:
-                    prompt_rows.append((chunk, count))
-                    rows.extend(range(offset, offset + count))
+        rows += scored
         if self.threads is not None:
             self.threads.fit(len(tokens))
         with torch.inference_mode():
@@ -194,16 +191,6 @@ class HFModel:
             raise SlotStateError(
                 f"slot {slot}: {length} positions exceed the context of {self.cache.context}"
             )
-
-
-def _prompt_positions(chunk: PrefillChunk) -> int:
-    """How many prompt tokens after ``chunk``'s start its rows predict (for prompt logprobs):
-    the row at position p predicts the token at p + 1, up to the prompt's last token."""
-    history = chunk.history
-    if chunk.sampling.prompt_logprobs is None or history is None:
-        return 0
-    end = min(chunk.start + len(chunk.token_ids), history.prompt_len - 1)
-    return max(end - chunk.start, 0)
 
 
 def _prompt_logprobs(
