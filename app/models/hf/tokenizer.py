@@ -48,6 +48,10 @@ class HFTokenizer:
         """``text``'s ids without special tokens (a fragment, not a sequence start)."""
         return list(self._tok.encode(text, add_special_tokens=False))
 
+    def spell(self, ids: Sequence[int]) -> list[str]:
+        """Each id's token string as the vocabulary spells it (``"Ġcapital"``)."""
+        return [str(t) for t in self._tok.convert_ids_to_tokens(list(ids))]
+
     def token_strings(self) -> list[str]:
         """Every id's token string (the vocabulary's own spelling), by id, added tokens
         included."""
