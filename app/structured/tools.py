@@ -27,7 +27,7 @@ from app.structured.constraint import Constraint
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
-NOT_JSON = object()  # what ``_json`` returns for text that does not parse
+_NOT_JSON = object()  # what ``_json`` returns for text that does not parse
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +114,7 @@ def parse_calls(
     under ``AUTO`` a call to a tool not ``offered`` or more than one call without
     ``parallel``, stays content with no calls."""
     if choice.mode is ToolMode.NAMED and choice.name is not None:
-        return (None, [ToolCall(choice.name, text)]) if _json(text) is not NOT_JSON else (text, [])
+        return (None, [ToolCall(choice.name, text)]) if _json(text) is not _NOT_JSON else (text, [])
     if choice.mode is ToolMode.REQUIRED:
         calls = _calls_from_list(text)
         return (None, calls) if calls else (text, [])
@@ -154,11 +154,11 @@ def _call(item: object) -> ToolCall | None:
 
 
 def _json(text: str) -> object:
-    """``text``'s JSON value, or ``NOT_JSON``."""
+    """``text``'s JSON value, or ``_NOT_JSON``."""
     try:
         return json.loads(text)
     except ValueError:
-        return NOT_JSON
+        return _NOT_JSON
 
 
 def tools_prompt(tools: list[ToolSpec], choice: ToolChoice) -> str:
@@ -185,7 +185,7 @@ def tools_prompt(tools: list[ToolSpec], choice: ToolChoice) -> str:
 def loaded_arguments(arguments: str) -> object:
     """A call's JSON arguments as a value (text that is not JSON: as it is)."""
     value = _json(arguments)
-    return arguments if value is NOT_JSON else value
+    return arguments if value is _NOT_JSON else value
 
 
 def render_call(call: ToolCall) -> str:
