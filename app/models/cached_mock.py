@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from app.models.mock import MockBase
 from app.models.mock_language import MockLanguage
-from app.models.mock_sampling import choose, prompt_logprobs, synthetic
+from app.models.mock_sampling import pick, prompt_logprobs
 from app.models.protocol import (
     Logprobs,
     PrefillChunk,
-    SamplingParams,
     StepBatch,
     StepResult,
-    TokenHistory,
 )
 
 
@@ -97,9 +95,9 @@ class CachedMockModel(MockBase):
     def step_sampled(self, batch: StepBatch) -> StepResult:
         """``step`` for a batch where some row's sampling is not plain: each token is chosen
         and reported as ``app.models.mock_sampling`` describes."""
-        logprobs: list[Logprobs | None] = []
+        next_token, vocab = self.language.next_token, self.language.vocab_size
+        picked: list[tuple[int, Logprobs | None]] = []
         prompts: dict[str, tuple[int, list[Logprobs]]] = {}
-        result = StepResult([], logprobs, prompts)
         rows = zip(batch.decode_slots, batch.decode_tokens, batch.decode_sampling, strict=True)
         for i, (slot, token, params) in enumerate(rows):
             cache = self._cache[slot]
@@ -107,42 +105,21 @@ class CachedMockModel(MockBase):
                 raise SlotReuseError(f"slot {slot} decoded without a prefilled request")
             cache.append(token)
             history = batch.decode_histories[i] if batch.decode_histories else None
-            self._sample(cache, params, history, result.tokens, logprobs)
+            picked.append(pick(next_token(cache), params, history, vocab))
         for chunk in batch.prefills:
             cache = self._prefill(chunk)
             self._prompt_logprobs(chunk, prompts)
             if chunk.sample:
-                self._sample(cache, chunk.sampling, chunk.history, result.tokens, logprobs)
-        return result
-
-    def _sample(
-        self,
-        cache: list[int],
-        params: SamplingParams,
-        history: TokenHistory | None,
-        tokens: list[int],
-        logprobs: list[Logprobs | None],
-    ) -> None:
-        vocab = self.language.vocab_size
-        token = self.language.next_token(cache)
-        if history is not None:
-            token = choose(token, params, history, vocab)
-        tokens.append(token)
-        top = params.logprobs
-        logprobs.append(None if top is None else synthetic(token, token, top, vocab))
+                picked.append(pick(next_token(cache), chunk.sampling, chunk.history, vocab))
+        return StepResult([t for t, _ in picked], [entry for _, entry in picked], prompts)
 
     def _prompt_logprobs(
         self, chunk: PrefillChunk, out: dict[str, tuple[int, list[Logprobs]]]
     ) -> None:
-        vocab = self.language.vocab_size
-        top, history = chunk.sampling.prompt_logprobs, chunk.history
-        if top is None or history is None:
-            return
-        first = chunk.start + 1
-        end = min(chunk.start + len(chunk.token_ids) + 1, history.prompt_len)
-        if first < end:
-            tokens = history.tokens
-            out[chunk.request_id] = (
-                first,
-                prompt_logprobs(self.language.next_token, tokens, first, end, top, vocab),
+        count, first, history = chunk.prompt_logprob_count, chunk.start + 1, chunk.history
+        if count and history is not None:
+            language, top = self.language, chunk.sampling.prompt_logprobs or 0
+            entries = prompt_logprobs(
+                language.next_token, history.tokens, first, first + count, top, language.vocab_size
             )
+            out[chunk.request_id] = (first, entries)

@@ -33,16 +33,11 @@ LN2 = math.log(2.0)
 NextToken = Callable[[Seq[int]], int]
 
 
-def banned_tokens(params: SamplingParams, history: TokenHistory) -> set[int]:
-    """The tokens ``params`` forbids as the next token of ``history`` (allow-list aside)."""
-    return bias_bans(params).union(rule_bans(params, history))
-
-
 def choose(predicted: int, params: SamplingParams, history: TokenHistory, vocab: int) -> int:
     """``predicted``, or the first allowed token after it in the mock's fallback order."""
     if not params.constrains_choice:
         return predicted
-    banned = banned_tokens(params, history)
+    banned = bias_bans(params).union(rule_bans(params, history))  # the allow-list aside
     allowed = params.allowed_token_ids
 
     def ok(token: int) -> bool:
@@ -67,6 +62,16 @@ def synthetic(chosen: int, token: int, top: int, vocab: int) -> Logprobs:
     return Logprobs(token, -(rank + 1) * LN2, alternatives, rank + 1)
 
 
+def pick(
+    predicted: int, params: SamplingParams, history: TokenHistory | None, vocab: int
+) -> tuple[int, Logprobs | None]:
+    """The token ``choose`` makes of ``predicted`` (``predicted`` itself without a ``history``)
+    and, if ``params`` asks for log probabilities, its entry (``synthetic``)."""
+    token = predicted if history is None else choose(predicted, params, history, vocab)
+    top = params.logprobs
+    return token, None if top is None else synthetic(token, token, top, vocab)
+
+
 def prompt_logprobs(
     next_token: NextToken, tokens: Seq[int], first: int, end: int, top: int, vocab: int
 ) -> list[Logprobs]:
@@ -80,18 +85,14 @@ def prompt_logprobs(
 
 def sample_rows(next_token: NextToken, rows: Seq[SampledRow], vocab: int) -> StepResult:
     """The stateless mock's ``next_tokens_for``: each row's token, chosen and reported."""
-    tokens: list[int] = []
-    logprobs: list[Logprobs | None] = []
+    picked: list[tuple[int, Logprobs | None]] = []
     prompts: dict[str, tuple[int, list[Logprobs]]] = {}
     for row in rows:
         params, prefix = row.sampling, row.tokens
-        token = choose(next_token(prefix), params, row, vocab)
-        tokens.append(token)
-        top = params.logprobs
-        logprobs.append(None if top is None else synthetic(token, token, top, vocab))
+        picked.append(pick(next_token(prefix), params, row, vocab))
         if params.prompt_logprobs is not None and len(prefix) == row.prompt_len:
             entries = prompt_logprobs(
                 next_token, prefix, 1, row.prompt_len, params.prompt_logprobs, vocab
             )
             prompts[row.request_id] = (1, entries)
-    return StepResult(tokens, logprobs, prompts or None)
+    return StepResult([t for t, _ in picked], [entry for _, entry in picked], prompts or None)

@@ -68,12 +68,15 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """Whether a logits processor applies to this request (penalties, bias, bans, ...)."""
+        return self.penalizes or bool(self.logit_bias) or self.constrains_choice
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether a frequency, presence or repetition penalty applies."""
         return (
             self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
             or self.repetition_penalty != 1.0
-            or bool(self.logit_bias)
-            or self.constrains_choice  # min_tokens, bad words, an allow-list
         )
 
     @property
@@ -189,6 +192,16 @@ class PrefillChunk:
     def fresh(self) -> bool:
         """The slot's cache starts empty in this step (then filled with ``prefix``, if any)."""
         return self.start == len(self.prefix)
+
+    @property
+    def prompt_logprob_count(self) -> int:
+        """How many prompt log-probabilities this chunk yields (0 unless its request asked for
+        them): those of the prompt tokens at ``start + 1`` onwards, up to the prompt's last
+        token, as the row at position p predicts the token at p + 1."""
+        history = self.history
+        if self.sampling.prompt_logprobs is None or history is None:
+            return 0
+        return max(min(len(self.token_ids), history.prompt_len - 1 - self.start), 0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,8 +23,7 @@ def load_tokenizer(folder: str | Path) -> HFTokenizer:
     path = Path(folder)
     if not path.is_dir():
         raise ModelLoadError(f"--tokenizer {folder}: not a folder")
-    probe = _tokenizer(path, 0, _generation_config(path))
-    return _tokenizer(path, probe.length, _generation_config(path))
+    return _tokenizer(path, None, _generation_config(path))
 
 
 def word_ids(tokenizer: HFTokenizer, limit: int = 4096) -> tuple[int, ...]:

@@ -27,6 +27,7 @@ from app.structured.constraint import Constraint
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+_NOT_JSON = object()  # what ``_json`` returns for text that does not parse
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +114,7 @@ def parse_calls(
     under ``AUTO`` a call to a tool not ``offered`` or more than one call without
     ``parallel``, stays content with no calls."""
     if choice.mode is ToolMode.NAMED and choice.name is not None:
-        return (None, [ToolCall(choice.name, text)]) if _is_json(text) else (text, [])
+        return (None, [ToolCall(choice.name, text)]) if _json(text) is not _NOT_JSON else (text, [])
     if choice.mode is ToolMode.REQUIRED:
         calls = _calls_from_list(text)
         return (None, calls) if calls else (text, [])
@@ -125,10 +126,7 @@ def parse_calls(
 
 
 def _calls_from_list(text: str) -> list[ToolCall]:
-    try:
-        items = json.loads(text)
-    except ValueError:
-        return []
+    items = _json(text)
     if not isinstance(items, list):
         return []
     calls = [_call(item) for item in items]
@@ -138,10 +136,7 @@ def _calls_from_list(text: str) -> list[ToolCall]:
 def _calls_from_blocks(text: str) -> tuple[str | None, list[ToolCall]]:
     calls: list[ToolCall] = []
     for block in _BLOCK.findall(text):
-        try:
-            call = _call(json.loads(block))
-        except ValueError:
-            call = None
+        call = _call(_json(block))
         if call is None:
             return text, []
         calls.append(call)
@@ -158,12 +153,12 @@ def _call(item: object) -> ToolCall | None:
     return ToolCall(item["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def _is_json(text: str) -> bool:
+def _json(text: str) -> object:
+    """``text``'s JSON value, or ``_NOT_JSON``."""
     try:
-        json.loads(text)
+        return json.loads(text)
     except ValueError:
-        return False
-    return True
+        return _NOT_JSON
 
 
 def tools_prompt(tools: list[ToolSpec], choice: ToolChoice) -> str:
@@ -189,10 +184,8 @@ def tools_prompt(tools: list[ToolSpec], choice: ToolChoice) -> str:
 
 def loaded_arguments(arguments: str) -> object:
     """A call's JSON arguments as a value (text that is not JSON: as it is)."""
-    try:
-        return json.loads(arguments)
-    except ValueError:
-        return arguments
+    value = _json(arguments)
+    return arguments if value is _NOT_JSON else value
 
 
 def render_call(call: ToolCall) -> str:

@@ -177,3 +177,13 @@ def test_token_bytes_are_the_raw_bytes_of_a_split_character(tokenizer: HFTokeniz
     assert b"".join(raw) == "héllo 日本".encode()
     assert b"\xc3" in raw and b"\xa9" in raw  # 'é' spans two tokens, one byte each
     assert tokenizer.token_bytes(tokenizer.eos_token_id) == b""  # special: its decoded text
+
+
+def test_spell_gives_the_vocabularys_own_strings_for_tokenize(tokenizer: HFTokenizer) -> None:
+    """``/tokenize``'s ``token_strs`` for a real model (app/api/tokenize.py reads ``spell``
+    through ``getattr``): each token as the vocabulary spells it ("Ġdog", vLLM's answer), not
+    its decoded text."""
+    ids = tokenizer.pieces(" the lazy dog")
+    spelled = tokenizer.spell(ids)
+    assert spelled == [tokenizer.token_strings()[i] for i in ids]
+    assert "".join(spelled) == "\u0120the\u0120lazy\u0120dog"  # byte-level BPE's Ġ for a space

@@ -165,26 +165,27 @@ class CompiledForward(LlamaForward):
         positions = torch.arange(tokens, device=device)
         inputs = self._inputs(0, self.weights.embed[positions], *self.rope.tables(positions))
         path = self.folder / f"layer-{self._key(inputs, tokens)}-{'1' if tokens == 1 else 'n'}.bin"
+        graph: Any = None
         if path.is_file():
             try:
                 with path.open("rb") as file:
-                    graph: Any = torch.compiler.load_compiled_function(file, f_globals=globals())
+                    graph = torch.compiler.load_compiled_function(file, f_globals=globals())
             except Exception as exc:  # any unreadable artifact: compile it again
                 log.warning("compiled layer %s unusable (%s): compiling it again", path, exc)
-            else:
-                self._use(tokens, graph)
-                return True
-        traced = _layer_function(dataclasses.replace(self.arch, hf_config=None), self._kinds)
-        options: dict[str, Any] = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
-        if tokens == 1:  # one row's loops are too small to share: no OpenMP region to wake
-            options["cpp.threads"] = 1
-        compiling: Any = torch.compile(  # no guards: ``_layer`` picks the graph itself
-            traced, dynamic=True, fullgraph=True, options=options
-        )
-        graph = compiling.aot_compile((inputs, {}))
-        self._save(graph, path)
-        self._use(tokens, graph)
-        return False
+        loaded = graph is not None
+        if not loaded:
+            traced = _layer_function(dataclasses.replace(self.arch, hf_config=None), self._kinds)
+            options: dict[str, Any] = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+            if tokens == 1:  # one row's loops are too small to share: no OpenMP region to wake
+                options["cpp.threads"] = 1
+            compiling: Any = torch.compile(  # no guards: ``_layer`` picks the graph itself
+                traced, dynamic=True, fullgraph=True, options=options
+            )
+            graph = compiling.aot_compile((inputs, {}))
+            self._save(graph, path)
+        graph.disable_guard_check()  # it has none: ``_layer`` picks the graph by token count
+        self._graphs[tokens == 1] = graph
+        return loaded
 
     def _save(self, graph: Any, path: Path) -> None:
         """Writes ``graph`` to ``path`` (torch writes a temporary file and renames it, so a
@@ -195,10 +196,6 @@ class CompiledForward(LlamaForward):
             graph.save_compiled_function(str(path))
         except Exception as exc:  # the graph in hand still runs
             log.warning("compiled layer not saved (%s): the next start compiles it again", exc)
-
-    def _use(self, tokens: int, graph: Any) -> None:
-        graph.disable_guard_check()  # it has none: ``_layer`` picks the graph by token count
-        self._graphs[tokens == 1] = graph
 
     def _key(self, inputs: tuple[torch.Tensor | None, ...], tokens: int) -> str:
         """What a saved graph depends on: torch's version, the layer's shapes, dtypes and

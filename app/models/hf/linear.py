@@ -16,13 +16,9 @@ bound by reading the weights (one or a few rows); docs/benchmarks.md has the acc
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 
-Quantization = Literal["none", "int8", "int4"]
-QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int4")
 INT4_GROUP = 32
 # Shapes torch's kernels take (a matrix of another shape stays in full precision):
 # _weight_int8pack_mm in bfloat16 reads past a row whose input width is not a multiple of 16

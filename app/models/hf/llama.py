@@ -70,8 +70,9 @@ def build_weights(
         q, k, v = (take(f"{p}self_attn.{n}_proj.weight") for n in "qkv")
         biases = [maybe(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]
         qkv_bias = None
-        if any(b is not None for b in biases):
-            qkv_bias = torch.cat([_or_zeros(b, w) for b, w in zip(biases, (q, k, v), strict=True)])
+        if any(b is not None for b in biases):  # a missing one is zeros
+            pairs = zip(biases, (q, k, v), strict=True)
+            qkv_bias = torch.cat([w.new_zeros(w.shape[0]) if b is None else b for b, w in pairs])
         gate, up = take(f"{p}mlp.gate_proj.weight"), take(f"{p}mlp.up_proj.weight")
         layers.append(
             LayerWeights(
@@ -89,10 +90,6 @@ def build_weights(
         raise ModelLoadError("checkpoint has no tensor 'lm_head.weight'")
     norm = take("model.norm.weight")
     return Weights(embed, layers, norm, linear(embed if head is None else head))
-
-
-def _or_zeros(bias: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
-    return bias if bias is not None else weight.new_zeros(weight.shape[0])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -40,7 +40,6 @@ class LoadedModel:
     model: HFModel
     tokenizer: HFTokenizer
     name: str
-    path: Path
     num_slots: int
     max_model_len: int
     kv_capacity_tokens: int
@@ -125,13 +124,12 @@ def load_model(
     if spec == SMOLLM2:
         folder = smollm2_folder(cache_root)
         compiled_in = folder / "inductor-cache"
-        name = SMOLLM2_NAME
     elif spec.startswith("hf:") and spec[3:]:
         folder = checkpoint_folder(spec[3:])
-        name = served_name(spec)
         compiled_in = cache_root / "inductor-cache"
     else:
         raise ModelLoadError(f"unknown model {spec!r}: expected smollm2 or hf:PATH")
+    name = served_name(spec)
     require("torch", "transformers", "safetensors")
     go_offline()
     from app.models.hf.compiled import resolve
@@ -213,7 +211,6 @@ def _load_folder(
         model=model,
         tokenizer=tokenizer,
         name=name,
-        path=folder,
         num_slots=num_slots,
         max_model_len=context,
         kv_capacity_tokens=cache.capacity_tokens,
@@ -252,7 +249,9 @@ def _generation_config(folder: Path) -> dict[str, Any]:
     return loaded if isinstance(loaded, dict) else {}
 
 
-def _tokenizer(folder: Path, vocab_size: int, generation: dict[str, Any]) -> HFTokenizer:
+def _tokenizer(folder: Path, vocab_size: int | None, generation: dict[str, Any]) -> HFTokenizer:
+    """``folder``'s tokenizer, its stop ids from ``generation``; ``vocab_size`` None: the
+    tokenizer's own length (added tokens included)."""
     from transformers import AutoTokenizer
 
     from app.models.hf.tokenizer import HFTokenizer
@@ -266,6 +265,5 @@ def _tokenizer(folder: Path, vocab_size: int, generation: dict[str, Any]) -> HFT
     eos = tok.eos_token_id if tok.eos_token_id is not None else min(stop, default=None)
     if eos is None:
         raise ModelLoadError(f"{folder}: neither the tokenizer nor generation_config names an EOS")
-    return HFTokenizer(
-        tok, vocab_size=vocab_size, stop_token_ids=frozenset(stop), eos_token_id=int(eos)
-    )
+    size = len(tok) if vocab_size is None else vocab_size
+    return HFTokenizer(tok, vocab_size=size, stop_token_ids=frozenset(stop), eos_token_id=int(eos))

@@ -50,14 +50,10 @@ def process(
     ]
     if not rows:
         return
-    _penalties(logits, [r for r in rows if _penalized(r[1]) and r[2] is not None])
+    _penalties(logits, [r for r in rows if r[1].penalizes and r[2] is not None])
     _bias(logits, [r for r in rows if r[1].logit_bias])
     _bans(logits, [r for r in rows if r[1].min_tokens or r[1].bad_words])
     _allow(logits, [r for r in rows if r[1].allowed_token_ids is not None])
-
-
-def _penalized(p: SamplingParams) -> bool:
-    return p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
 def _penalties(logits: torch.Tensor, rows: Rows) -> None:
@@ -95,28 +91,22 @@ def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
 
 
 def _bias(logits: torch.Tensor, rows: Rows) -> None:
-    if not rows:
-        return
-    pairs = [(i, token, bias) for i, p, _ in rows for token, bias in p.logit_bias]
-    device = logits.device
-    at = (
-        torch.tensor([i for i, _, _ in pairs], device=device),
-        torch.tensor([t for _, t, _ in pairs], device=device),
-    )
-    values = torch.tensor([b for _, _, b in pairs], device=device, dtype=logits.dtype)
-    logits.index_put_(at, values, accumulate=True)
+    _put(logits, [(i, token, bias) for i, p, _ in rows for token, bias in p.logit_bias], True)
 
 
 def _bans(logits: torch.Tensor, rows: Rows) -> None:
-    pairs = [(i, token) for i, p, history in rows for token in rule_bans(p, history)]
-    if not pairs:
+    ban = float("-inf")
+    _put(logits, [(i, token, ban) for i, p, history in rows for token in rule_bans(p, history)])
+
+
+def _put(logits: torch.Tensor, cells: list[tuple[int, int, float]], add: bool = False) -> None:
+    """Writes (or, with ``add``, adds) each ``(row, token, value)`` of ``cells`` into ``logits``."""
+    if not cells:
         return
+    rows, tokens, values = zip(*cells, strict=True)
     device = logits.device
-    at = (
-        torch.tensor([i for i, _ in pairs], device=device),
-        torch.tensor([t for _, t in pairs], device=device),
-    )
-    logits.index_put_(at, torch.tensor(float("-inf"), device=device, dtype=logits.dtype))
+    at = (torch.tensor(rows, device=device), torch.tensor(tokens, device=device))
+    logits.index_put_(at, torch.tensor(values, device=device, dtype=logits.dtype), accumulate=add)
 
 
 def _allow(logits: torch.Tensor, rows: Rows) -> None:

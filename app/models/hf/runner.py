@@ -7,7 +7,6 @@ token per decode slot and per chunk that completes a prefill.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -52,19 +51,6 @@ class HFModel:
         self.cache: KVCache = forward.cache
         self.device = forward.weights.embed.device
 
-    @property
-    def num_slots(self) -> int:
-        return self.cache.num_slots
-
-    @property
-    def max_model_len(self) -> int:
-        """Positions per slot: the longest prompt + output one request can have."""
-        return self.cache.context
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        return self.cache.capacity_tokens
-
     def compile(self, cache_folder: Path) -> None:
         """Switches to the compiled forward (``compiled.CompiledForward``) and compiles it now
         (``compiled.warm_up``), its code cached in ``cache_folder``. Logs what it compiled and
@@ -84,14 +70,15 @@ class HFModel:
             return []
         logits, params, positions = self._run(batch)
         with torch.inference_mode():
-            logits = self._before_sampling(logits, params, positions, batch.token_masks)
+            apply_token_masks(logits, batch.token_masks)  # structured outputs
             return self._sampler.sample(logits, params, positions)
 
     def step_sampled(self, batch: StepBatch) -> StepResult:
         """``step`` for a batch where some row's sampling is not plain: the logits processors
-        (``logits_processors``) run on the sampled rows before the sampler; log probabilities
-        (``app.models.hf.logprobs``) are taken after them; a chunk whose request asked for
-        prompt log probabilities gets logits for its prompt positions too."""
+        (``logits_processors``), then the grammar's token masks, run on the sampled rows before
+        the sampler; log probabilities (``app.models.hf.logprobs``) are taken after them; a
+        chunk whose request asked for prompt log probabilities gets logits for its prompt
+        positions too."""
         if not batch.decode_slots and not batch.prefills:
             return StepResult([])
         prompt_rows: PromptRows = []
@@ -102,8 +89,8 @@ class HFModel:
         histories += [c.history for c in batch.prefills if c.sample]
         with torch.inference_mode():
             rows = logits[:sampled]
-            logits_processors.process(rows, params, histories)  # stage 1
-            rows = self._before_sampling(rows, params, positions, batch.token_masks)  # 2.
+            logits_processors.process(rows, params, histories)  # 1. penalties, bias, bans
+            apply_token_masks(rows, batch.token_masks)  # 2. grammar token masks
             dead = _dead_rows(rows)
             tokens = self._sampler.sample(rows, params, positions)
             for i in dead:
@@ -117,23 +104,6 @@ class HFModel:
                 per_row[i] = entry
             prompts = _prompt_logprobs(logits[sampled:], prompt_rows)
         return StepResult(tokens, per_row, prompts or None)
-
-    def _before_sampling(
-        self,
-        logits: torch.Tensor,
-        params: list[SamplingParams],
-        positions: list[int],
-        token_masks: Sequence[bytes | None] = (),
-    ) -> torch.Tensor:
-        """THE place where the stages between the forward and the draw run, in this order,
-        each over the float32 logits (rows, vocab) of the step's output rows and skipped
-        entirely when no row needs it: 1. logits processors (penalties, logit_bias, min_tokens,
-        bad_words, allowed_token_ids), 2. grammar token masks, 3. logprobs capture. Returns the
-        logits the ``Sampler`` draws from. ``token_masks``: ``StepBatch.token_masks``."""
-        del params, positions
-        if token_masks:  # 2. grammar token masks (structured outputs)
-            apply_token_masks(logits, token_masks)
-        return logits
 
     def step_logits(self, batch: StepBatch) -> torch.Tensor:
         """Runs ``batch`` exactly as ``step`` does (the cache advances) but returns the float32
@@ -166,20 +136,17 @@ class HFModel:
         rows = list(range(len(tokens)))
         params: list[SamplingParams] = list(batch.decode_sampling)
         positions = [p + 1 for p in decode_positions]
-        scored: list[tuple[PrefillChunk, int]] = []
+        scored: list[int] = []  # the prompt positions' rows, after every sampled row
         for chunk in batch.prefills:
-            scored.append((chunk, len(tokens)))
+            if prompt_rows is not None and (count := chunk.prompt_logprob_count):
+                prompt_rows.append((chunk, count))
+                scored.extend(range(len(tokens), len(tokens) + count))
             tokens.extend(chunk.token_ids)
             if chunk.sample:
                 rows.append(len(tokens) - 1)
                 params.append(chunk.sampling)
                 positions.append(chunk.start + len(chunk.token_ids))
-        if prompt_rows is not None:
-            for chunk, offset in scored:
-                count = _prompt_positions(chunk)
-                if count:
-                    prompt_rows.append((chunk, count))
-                    rows.extend(range(offset, offset + count))
+        rows += scored
         if self.threads is not None:
             self.threads.fit(len(tokens))
         with torch.inference_mode():
@@ -224,16 +191,6 @@ class HFModel:
             raise SlotStateError(
                 f"slot {slot}: {length} positions exceed the context of {self.cache.context}"
             )
-
-
-def _prompt_positions(chunk: PrefillChunk) -> int:
-    """How many prompt tokens after ``chunk``'s start its rows predict (for prompt logprobs):
-    the row at position p predicts the token at p + 1, up to the prompt's last token."""
-    history = chunk.history
-    if chunk.sampling.prompt_logprobs is None or history is None:
-        return 0
-    end = min(chunk.start + len(chunk.token_ids), history.prompt_len - 1)
-    return max(end - chunk.start, 0)
 
 
 def _prompt_logprobs(

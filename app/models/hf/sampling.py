@@ -72,24 +72,17 @@ class Sampler:
         others are drawn in one batch (``draw``)."""
         rows = [i for i, p in enumerate(params) if self.temperature(p) > 0]
         if len(rows) == len(params):  # every row samples: no copy, no argmax
-            return self._draw(logits, params, positions)
+            return draw(logits, params, self._uniforms(params, positions), self.default_temperature)
         chosen = [int(t) for t in logits.argmax(dim=-1).tolist()]
         if rows:
-            index = torch.tensor(rows, device=logits.device)
-            drawn = self._draw(
-                logits.index_select(0, index),
+            drawn = self.sample(  # the sampling rows alone: every one samples
+                logits.index_select(0, torch.tensor(rows, device=logits.device)),
                 [params[i] for i in rows],
                 [positions[i] for i in rows],
             )
             for i, token in zip(rows, drawn, strict=True):
                 chosen[i] = token
         return chosen
-
-    def _draw(
-        self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
-    ) -> list[int]:
-        uniforms = self._uniforms(params, positions)
-        return draw(logits, params, uniforms, self.default_temperature)
 
     def _uniforms(self, params: Sequence[SamplingParams], positions: Sequence[int]) -> list[float]:
         """One uniform per row: from (seed, position) for seeded rows, else from the shared

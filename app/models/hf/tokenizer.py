@@ -29,21 +29,9 @@ class HFTokenizer:
         self, tokenizer: Any, *, vocab_size: int, stop_token_ids: frozenset[int], eos_token_id: int
     ) -> None:
         self._tok = tokenizer
-        self._vocab_size = vocab_size
-        self._stop = stop_token_ids | {eos_token_id}
-        self._eos = eos_token_id
-
-    @property
-    def eos_token_id(self) -> int:
-        return self._eos
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def stop_token_ids(self) -> frozenset[int]:
-        return self._stop
+        self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids | {eos_token_id}
+        self.eos_token_id = eos_token_id
 
     def backend_json(self) -> str:
         """The ``tokenizers`` JSON of this tokenizer, without padding or truncation (the grammar
@@ -60,22 +48,18 @@ class HFTokenizer:
         """``text``'s ids without special tokens (a fragment, not a sequence start)."""
         return list(self._tok.encode(text, add_special_tokens=False))
 
-    @property
-    def length(self) -> int:
-        """Ids in all, added tokens included."""
-        return len(self._tok)
-
     def spell(self, ids: Sequence[int]) -> list[str]:
         """Each id's token string as the vocabulary spells it (``"Ġcapital"``)."""
         return [str(t) for t in self._tok.convert_ids_to_tokens(list(ids))]
 
     def token_strings(self) -> list[str]:
-        """Every id's token string (the vocabulary's own spelling), by id."""
-        return [str(t) for t in self._tok.convert_ids_to_tokens(list(range(self.length)))]
+        """Every id's token string (the vocabulary's own spelling), by id, added tokens
+        included."""
+        return [str(t) for t in self._tok.convert_ids_to_tokens(list(range(len(self._tok))))]
 
     @property
     def special_ids(self) -> frozenset[int]:
-        return frozenset(self._tok.all_special_ids) | self._stop
+        return frozenset(self._tok.all_special_ids) | self.stop_token_ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(
@@ -124,8 +108,7 @@ class HFTokenizer:
         one gets ``role: content`` lines and an ``assistant: `` cue."""
         chat = [{"role": role, "content": content} for role, content in messages]
         if getattr(self._tok, "chat_template", None):
-            text = self._tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-            return list(self._tok.encode(str(text), add_special_tokens=False))
+            return self.chat_prompt_with_tools(chat, [])
         lines = [f"{role}: {content}" for role, content in messages]
         return self.encode("\n".join([*lines, "assistant: "]))
 
@@ -143,7 +126,7 @@ class HFTokenizer:
         text = self._tok.apply_chat_template(
             messages, tools=tools or None, tokenize=False, add_generation_prompt=True
         )
-        return list(self._tok.encode(str(text), add_special_tokens=False))
+        return self.pieces(str(text))
 
 
 class HFStreamDecoder:
