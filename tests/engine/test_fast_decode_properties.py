@@ -39,6 +39,9 @@ class TokenStop:
         return self.token in tokens
 
 
+BLOCK_SIZE = 2  # KV block size of the cached scenarios
+
+
 @dataclass(frozen=True)
 class Spec:
     prompt: list[int]
@@ -61,7 +64,8 @@ class Scenario:
     def kv_cache_tokens(self) -> int | None:
         if self.extra_blocks is None:
             return None
-        return max(len(s.prompt) + s.max_tokens for s in self.specs) + self.extra_blocks
+        longest = max(len(s.prompt) + s.max_tokens for s in self.specs)
+        return max(longest + self.extra_blocks, BLOCK_SIZE)  # (the books need one whole block)
 
 
 @st.composite
@@ -113,7 +117,7 @@ def run(s: Scenario) -> None:
     config = EngineConfig(
         num_slots=s.num_slots,
         max_waiting=len(s.specs),
-        block_size=2,
+        block_size=BLOCK_SIZE,
         kv_cache_tokens=s.kv_cache_tokens(),
         enable_prefix_caching=s.cached,
     )
