@@ -31,7 +31,7 @@ losing nothing but time.
 
 from __future__ import annotations
 
-from bisect import bisect
+from bisect import bisect, bisect_left
 from collections import deque
 from dataclasses import dataclass
 from enum import StrEnum
@@ -61,7 +61,6 @@ from app.models.protocol import NO_TOKEN, Logprobs, PrefillChunk
 
 UNBOUNDED = 1 << 62  # a token budget or KV capacity that never binds
 _admission = attrgetter("admission")
-_slot = attrgetter("slot")
 _APPEND = list.append
 _consume = deque[None](maxlen=0).extend  # runs an iterator to its end at C speed
 
@@ -171,6 +170,7 @@ class Scheduler:
         # modified: the first change after that copies them (copy on write, once a step)
         self._decoding: list[Sequence] = []
         self._decoding_tokens: list[list[int]] = []
+        self._decoding_slots: list[int] = []  # their slots (never handed out: changed in place)
         self._decoding_planned = False
         self._unplain = self._constrained = 0
         # for ``_apply_decodes``' C-speed path: decodes that need the end rules for every token;
@@ -376,7 +376,9 @@ class Scheduler:
         decoding, tokens = self._decode_lists()
         if not decoding:
             self._stops = seq.stop_token_ids
-        index = bisect(decoding, seq.slot, key=_slot)
+        assert seq.slot is not None
+        index = bisect(self._decoding_slots, seq.slot)
+        self._decoding_slots.insert(index, seq.slot)
         decoding.insert(index, seq)
         tokens.insert(index, seq.tokens)
         self._unplain += not seq.sampling.plain
@@ -691,7 +693,9 @@ class Scheduler:
         while deadlines and deadlines[0][0] <= update:
             _, admission, seq = heappop(deadlines)
             if seq.fast_until and seq.admission == admission:
-                rows.append(seqs.index(seq))
+                row = bisect_left(self._decoding_slots, seq.slot)  # (``seqs`` is the plan's:
+                assert seqs[row] is seq  # no request left it before this point)
+                rows.append(row)
         if len(deadlines) > 2 * len(self._decoding) + 32:
             deadlines[:] = [d for d in deadlines if d[2].fast_until and d[2].admission == d[1]]
             heapify(deadlines)
@@ -840,8 +844,8 @@ class Scheduler:
             self._unstarted.discard(seq.request_id)
         else:  # it leaves the decode list
             decoding, tokens = self._decode_lists()
-            index = decoding.index(seq)
-            del decoding[index], tokens[index]
+            index = bisect_left(self._decoding_slots, seq.slot)
+            del decoding[index], tokens[index], self._decoding_slots[index]
             self._unplain -= not seq.sampling.plain
             self._constrained -= seq.constraint is not None
             self._odd_stops -= seq.stop_token_ids != self._stops
