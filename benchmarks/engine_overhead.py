@@ -166,7 +166,9 @@ def main() -> None:
     print("\n2. generate() vs a plain 20-line loop, tokens/s  goal: >= 0.8x")
     print("   2,000 requests, prompts 4-64 tokens, max_tokens 1-128, 32 slots")
     requests = workload(2000)
-    for label, make in (("zero-cost model", ZeroCostModel), ("MockModel (random)", random_mock)):
+    models = (("zero-cost model", ZeroCostModel), ("MockModel (random)", random_mock),
+              ("MockModel, type-checked", checked_mock))  # fmt: skip
+    for label, make in models:
         stop = random_mock().language.stop_token if label.startswith("Mock") else NEVER
         ours = median(
             [tokens_per_second(generate, make(), requests, stop) for _ in range(args.repeats)]
@@ -174,7 +176,7 @@ def main() -> None:
         plain = median([tokens_per_second(plain_generate, make(), requests, stop)
                         for _ in range(args.repeats)])  # fmt: skip
         ratio = ours / plain
-        print(f"   {label:<20} generate() {ours:>12,.0f}   plain {plain:>12,.0f}   {ratio:.2f}x")
+        print(f"   {label:<24} generate() {ours:>12,.0f}   plain {plain:>12,.0f}   {ratio:.2f}x")
 
     print("\n3. generate() marginal cost per generated token (ns)  goal: ratio <= 1.2")
     short = median([per_token_ns(16) for _ in range(args.repeats)])
@@ -237,6 +239,17 @@ def report_long_prompt() -> None:
 def random_mock() -> MockModel:
     """The built-in stateless mock in random mode (its tokens cost what a real call would)."""
     return MockModel(MockLanguage(vocab_size=257, stop_token=256, text=False))
+
+
+class TypeCheckedMock(MockModel):
+    """The same mock without its ``returns_int_tokens`` promise: the runner type-checks each of
+    its tokens, as it does any third-party model's."""
+
+    returns_int_tokens = False
+
+
+def checked_mock() -> MockModel:
+    return TypeCheckedMock(MockLanguage(vocab_size=257, stop_token=256, text=False))
 
 
 if __name__ == "__main__":

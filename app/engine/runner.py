@@ -23,6 +23,7 @@ from app.models.protocol import (
     StepBatch,
     StepResult,
     applies_token_masks,
+    returns_int_tokens,
 )
 
 log = logging.getLogger("slotserve.engine")
@@ -62,6 +63,7 @@ class StatelessRunner:
         self.pad_sequence = pad_sequence
         self._constrained = ConstrainedRows()
         self._sampled = getattr(model, "next_tokens_for", None)
+        self._ints = returns_int_tokens(model)
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         seqs, inputs, plain, sampling = out.decode_seqs, out.decode_inputs, out.decodes_plain, []
@@ -73,11 +75,12 @@ class StatelessRunner:
             return ModelOutput([])
         if not plain and self._sampled is not None:
             batch = seqs + sampling
-            output = model_output(self._sampled(batch), len(batch))
+            output = model_output(self._sampled(batch), len(batch), ints=self._ints)
         elif self.pad_sequence is not None:
             output = ModelOutput(self._padded(seqs + sampling, inputs))
         else:
-            output = ModelOutput(checked_tokens(self.model.next_tokens(inputs), len(inputs)))
+            tokens = self.model.next_tokens(inputs)
+            output = ModelOutput(checked_tokens(tokens, len(inputs), self._ints))
         if out.decodes_constrained or (sampling and not all_unconstrained(sampling)):
             rows = self._constrained.rows(out, sampling)
             output = _obeyed_output(output, rows) if rows else output
@@ -99,7 +102,7 @@ class StatelessRunner:
         for slot, tokens in zip(slots, inputs, strict=True):
             assert slot is not None
             batch[slot] = tokens
-        outputs = checked_tokens(self.model.next_tokens(batch), self.num_slots)
+        outputs = checked_tokens(self.model.next_tokens(batch), self.num_slots, self._ints)
         return [outputs[slot] for slot in slots if slot is not None]
 
 
@@ -123,6 +126,7 @@ class CachedRunner:
         self._constrained = ConstrainedRows()
         self._masks = applies_token_masks(model)
         self._sampled = getattr(model, "step_sampled", None)
+        self._ints = returns_int_tokens(model)
 
     def _sampling_prefills(self, out: SchedulerOutput, run: list[PrefillChunk]) -> list[Sequence]:
         """The requests of the chunks in ``run`` that sample, in order (their output rows)."""
@@ -155,7 +159,7 @@ class CachedRunner:
                           decode_histories=out.decode_seqs, token_masks=masks)  # fmt: skip
         plain = out.decodes_plain and all(chunk.sampling.plain for chunk in prefills)
         step = self.model.step if plain or self._sampled is None else self._sampled
-        output = model_output(step(batch), batch.num_outputs, frozenset(self._dirty))
+        output = model_output(step(batch), batch.num_outputs, frozenset(self._dirty), self._ints)
         if masks:
             checked_masked(output.tokens, masks)
             for index, seq in rows:  # the parser's step too, here rather than on the loop
@@ -312,25 +316,28 @@ _CONSTRAINT = attrgetter("constraint")
 
 
 def model_output(
-    result: object, expected: int, unavailable: frozenset[int] = frozenset()
+    result: object, expected: int, unavailable: frozenset[int] = frozenset(), ints: bool = False
 ) -> ModelOutput:
-    """A model's answer (a token list or a ``StepResult``) checked and wrapped."""
+    """A model's answer (a token list or a ``StepResult``) checked and wrapped (``ints``: the
+    model promises int tokens, see ``checked_tokens``)."""
     if not isinstance(result, StepResult):
-        return ModelOutput(checked_tokens(result, expected), unavailable)
-    tokens = checked_tokens(result.tokens, expected)
+        return ModelOutput(checked_tokens(result, expected, ints), unavailable)
+    tokens = checked_tokens(result.tokens, expected, ints)
     logprobs = result.logprobs
     if logprobs is not None and len(logprobs) != expected:
         raise ModelOutputError(f"model returned {len(logprobs)} logprobs, expected {expected}")
     return ModelOutput(tokens, unavailable, logprobs, result.prompt_logprobs)
 
 
-def checked_tokens(tokens: object, expected: int) -> list[int]:
-    """``tokens`` as a list of ``expected`` ints, or ``ModelOutputError`` saying what is wrong."""
+def checked_tokens(tokens: object, expected: int, ints: bool = False) -> list[int]:
+    """``tokens`` as a list of ``expected`` ints, or ``ModelOutputError`` saying what is wrong.
+    With ``ints`` (the model promises ints: ``returns_int_tokens``) their types are not looked
+    at, only the container and the count."""
     if not isinstance(tokens, (list, tuple)):  # a tuple: quicker than list | tuple
         raise ModelOutputError(f"model returned {type(tokens).__name__}, expected a list of ints")
     if len(tokens) != expected:
         raise ModelOutputError(f"model returned {len(tokens)} tokens, expected {expected}")
-    if countOf(map(type, tokens), int) != expected:  # one C-level pass; bool is not int
+    if not ints and countOf(map(type, tokens), int) != expected:  # one C pass; bool is no int
         i, token = next((i, t) for i, t in enumerate(tokens) if type(t) is not int)
         raise ModelOutputError(
             f"model returned {token!r} ({type(token).__name__}) at index {i}, expected int"

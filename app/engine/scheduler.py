@@ -31,12 +31,12 @@ losing nothing but time.
 
 from __future__ import annotations
 
-from bisect import bisect
+from bisect import bisect, bisect_left
 from collections import deque
 from dataclasses import dataclass
 from enum import StrEnum
 from heapq import heapify, heappop, heappush
-from operator import attrgetter
+from operator import attrgetter, countOf
 
 from app.engine.errors import NoTokenLeftError
 from app.engine.kv_books import KVBooks
@@ -61,7 +61,6 @@ from app.models.protocol import NO_TOKEN, Logprobs, PrefillChunk
 
 UNBOUNDED = 1 << 62  # a token budget or KV capacity that never binds
 _admission = attrgetter("admission")
-_slot = attrgetter("slot")
 _APPEND = list.append
 _consume = deque[None](maxlen=0).extend  # runs an iterator to its end at C speed
 
@@ -171,6 +170,7 @@ class Scheduler:
         # modified: the first change after that copies them (copy on write, once a step)
         self._decoding: list[Sequence] = []
         self._decoding_tokens: list[list[int]] = []
+        self._decoding_slots: list[int] = []  # their slots (never handed out: changed in place)
         self._decoding_planned = False
         self._unplain = self._constrained = 0
         # for ``_apply_decodes``' C-speed path: decodes that need the end rules for every token;
@@ -376,7 +376,9 @@ class Scheduler:
         decoding, tokens = self._decode_lists()
         if not decoding:
             self._stops = seq.stop_token_ids
-        index = bisect(decoding, seq.slot, key=_slot)
+        assert seq.slot is not None
+        index = bisect(self._decoding_slots, seq.slot)
+        self._decoding_slots.insert(index, seq.slot)
         decoding.insert(index, seq)
         tokens.insert(index, seq.tokens)
         self._unplain += not seq.sampling.plain
@@ -647,14 +649,16 @@ class Scheduler:
         """The hot path: one token for each decoding request. Returns the tokens applied."""
         seqs = out.decode_seqs
         if (  # no request joined or left since the plan, none needs the end rules for every
-            seqs is self._decoding  # token and no token is a stop token: only the requests
-            and not self._slow_decodes  # at their last token need them (``_end_due``)
+            seqs is self._decoding  # token and all share one stop set: only the requests at
+            and not self._slow_decodes  # their last token or given a stop token need them
             and not self._odd_stops
-            and self._stops.isdisjoint(tokens)
         ):
             _consume(map(_APPEND, out.decode_inputs, tokens))  # (``tokens`` goes on with the
-            dropped = self._end_due(out, tokens, outcome)  # prefills': ``map`` stops first)
-            outcome.num_generated += len(seqs) - dropped
+            stopped = (
+                [] if self._stops.isdisjoint(tokens) else _stop_rows(self._stops, tokens, seqs)
+            )
+            dropped = self._end_rows(out, tokens, outcome, stopped)  # prefills': ``map`` stops
+            outcome.num_generated += len(seqs) - dropped  # first)
             return len(seqs)
         finished, now = outcome.finished, outcome.ended_at
         skipped = dropped = 0
@@ -671,26 +675,34 @@ class Scheduler:
                     dropped += self._append(seq, token, now, finished, logprob and logprob(seq))
             else:
                 prefix.append(token)  # one token, not the last: the request has computed it
-        self._end_due(out, tokens, outcome)  # (every request due has ended: drops them)
+        self._end_rows(out, tokens, outcome, [])  # (every request due has ended: drops them)
         outcome.num_generated += len(seqs) - skipped - dropped
         return len(seqs) - skipped
 
-    def _end_due(self, out: SchedulerOutput, tokens: list[int], outcome: StepOutcome) -> int:
-        """Take the deadlines due in this update off the heap. A request still decoding is at
-        its last token (``fast_until`` tokens before it), appended with the others: it is taken
-        back and goes through the end rules, which end the request. Stale deadlines (requests
-        that ended early) go too, and all of them when they outnumber the decodes. Returns the
-        tokens left out of the output."""
-        deadlines, update, dropped = self._deadlines, self._updates, 0
+    def _end_rows(
+        self, out: SchedulerOutput, tokens: list[int], outcome: StepOutcome, stopped: list[int]
+    ) -> int:
+        """After a C-speed append, take back the tokens of the decode rows that need the end
+        rules and put them through the rules, in row order: ``stopped`` (rows given a stop
+        token) and the rows whose deadline is due in this update (at their last token,
+        ``fast_until`` tokens before it). Stale deadlines (requests that ended early) go too,
+        and all of them when they outnumber the decodes. Returns the tokens left out of the
+        output."""
+        deadlines, update, seqs = self._deadlines, self._updates, out.decode_seqs
+        rows = stopped
         while deadlines and deadlines[0][0] <= update:
             _, admission, seq = heappop(deadlines)
             if seq.fast_until and seq.admission == admission:
-                row = out.decode_seqs.index(seq)
-                out.decode_inputs[row].pop()
-                dropped += self._append(seq, tokens[row], outcome.ended_at, outcome.finished)
+                row = bisect_left(self._decoding_slots, seq.slot)  # (``seqs`` is the plan's:
+                assert seqs[row] is seq  # no request left it before this point)
+                rows.append(row)
         if len(deadlines) > 2 * len(self._decoding) + 32:
             deadlines[:] = [d for d in deadlines if d[2].fast_until and d[2].admission == d[1]]
             heapify(deadlines)
+        dropped, now, finished = 0, outcome.ended_at, outcome.finished
+        for row in sorted(set(rows)) if len(rows) > 1 else rows:
+            out.decode_inputs[row].pop()
+            dropped += self._append(seqs[row], tokens[row], now, finished)
         return dropped
 
     def _apply_prefills(
@@ -832,8 +844,8 @@ class Scheduler:
             self._unstarted.discard(seq.request_id)
         else:  # it leaves the decode list
             decoding, tokens = self._decode_lists()
-            index = decoding.index(seq)
-            del decoding[index], tokens[index]
+            index = bisect_left(self._decoding_slots, seq.slot)
+            del decoding[index], tokens[index], self._decoding_slots[index]
             self._unplain -= not seq.sampling.plain
             self._constrained -= seq.constraint is not None
             self._odd_stops -= seq.stop_token_ids != self._stops
@@ -874,3 +886,16 @@ def _store_prompt_logprobs(seq: Sequence, found: tuple[int, list[Logprobs]] | No
     skip = len(stored) - position
     if skip >= 0:
         stored.extend(entries[skip : max(skip, seq.prompt_len - position)])
+
+
+def _stop_rows(stops: frozenset[int], tokens: list[int], seqs: list[Sequence]) -> list[int]:
+    """The decode rows (the first ``len(seqs)`` of ``tokens``) given a stop token, found at C
+    speed: one ``list.index`` per hit."""
+    head = tokens[: len(seqs)]
+    rows = []
+    for stop in stops:
+        row = -1
+        for _ in range(countOf(head, stop)):
+            row = head.index(stop, row + 1)
+            rows.append(row)
+    return rows

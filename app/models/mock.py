@@ -15,6 +15,7 @@ class MockBase:
     time is the engine's step clock, not the model's."""
 
     blocking = False
+    returns_int_tokens = True  # the language picks ints (``returns_int_tokens``)
 
     def __init__(self, language: MockLanguage | None = None, *, seed: int = 0) -> None:
         self.language = language or MockLanguage(seed=seed)

@@ -14,7 +14,8 @@ Two model protocols:
 
 Both may set ``blocking = False`` to say their calls are quick and never wait, so the engine runs
 them on the event loop instead of in a worker thread. Without it, a model is assumed to block
-(a real model does) and every call runs in the engine's worker thread.
+(a real model does) and every call runs in the engine's worker thread. A model may also promise
+``returns_int_tokens = True`` (see ``returns_int_tokens``).
 
 The step's simulated duration (the mock's GPU-like latency) is the engine's step clock, not the
 model's: a model computes and returns as fast as it can.
@@ -298,6 +299,14 @@ def applies_token_masks(model: object) -> bool:
     ``applies_token_masks = True``). For any other model the engine's runner makes the model's
     token obey the request's grammar (``TokenConstraint.choose``)."""
     return getattr(model, "applies_token_masks", False) is True
+
+
+def returns_int_tokens(model: object) -> bool:
+    """Whether ``model`` promises that every token it returns is a Python ``int`` (an optional
+    class attribute ``returns_int_tokens = True``: the built-in models, whose tokens are ints by
+    construction). The runner then checks only how many came back; any other model's tokens
+    are also type-checked, one by one."""
+    return getattr(model, "returns_int_tokens", False) is True
 
 
 Model = StatelessModel | CachedModel

@@ -43,6 +43,7 @@ class HFModel:
     blocking = True
     applies_token_masks = True  # samples under StepBatch.token_masks (structured outputs)
     copies_slots = True  # starts a fork from another slot's cache (PrefillChunk.prefix_slot)
+    returns_int_tokens = True  # its tokens come from ``Tensor.tolist()``
     threads: StepThreads | None = None  # torch's thread count per call (--torch-threads 0)
 
     def __init__(self, forward: LlamaForward, sampler: Sampler) -> None:
