@@ -390,6 +390,14 @@ class Scheduler:
             due = self._updates + seq.fast_until - len(seq.tokens)
             heappush(self._deadlines, (due, seq.admission, seq))
 
+    def _decode_row(self, seq: Sequence) -> int:
+        """The row of the decoding ``seq`` in the decode list, found by its slot."""
+        slot = seq.slot
+        assert slot is not None
+        row = bisect_left(self._decoding_slots, slot)
+        assert self._decoding[row] is seq
+        return row
+
     def _decode_lists(self) -> tuple[list[Sequence], list[list[int]]]:
         """The decode list and its token lists, to be changed in place: copies of them first
         if a plan carries them."""
@@ -693,9 +701,7 @@ class Scheduler:
         while deadlines and deadlines[0][0] <= update:
             _, admission, seq = heappop(deadlines)
             if seq.fast_until and seq.admission == admission:
-                row = bisect_left(self._decoding_slots, seq.slot)  # (``seqs`` is the plan's:
-                assert seqs[row] is seq  # no request left it before this point)
-                rows.append(row)
+                rows.append(self._decode_row(seq))  # (no request left the plan's list yet)
         if len(deadlines) > 2 * len(self._decoding) + 32:
             deadlines[:] = [d for d in deadlines if d[2].fast_until and d[2].admission == d[1]]
             heapify(deadlines)
@@ -844,7 +850,7 @@ class Scheduler:
             self._unstarted.discard(seq.request_id)
         else:  # it leaves the decode list
             decoding, tokens = self._decode_lists()
-            index = bisect_left(self._decoding_slots, seq.slot)
+            index = self._decode_row(seq)
             del decoding[index], tokens[index], self._decoding_slots[index]
             self._unplain -= not seq.sampling.plain
             self._constrained -= seq.constraint is not None
