@@ -11,7 +11,9 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -71,9 +73,12 @@ class Page:
 def open_page(url: str) -> Iterator[Page]:
     """Chromium showing ``url`` (loaded), closed afterwards."""
     assert CHROMIUM is not None, "no chromium binary"
-    with tempfile.TemporaryDirectory() as profile:
+    # (a helper process of Chromium may still write the profile as it dies: leftovers stay)
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         command = [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "about:blank"]
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        process = subprocess.Popen(  # its own process group: its helpers are killed with it
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         try:
             port = _devtools_port(Path(profile), process)
             targets = httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=10).json()
@@ -86,7 +91,7 @@ def open_page(url: str) -> Iterator[Page]:
                 _wait_loaded(page)
                 yield page
         finally:
-            process.kill()
+            os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=10)
 
 
