@@ -392,10 +392,10 @@ class Scheduler:
 
     def _decode_row(self, seq: Sequence) -> int:
         """The row of the decoding ``seq`` in the decode list, found by its slot."""
-        slot = seq.slot
-        assert slot is not None
-        row = bisect_left(self._decoding_slots, slot)
-        assert self._decoding[row] is seq
+        decoding, slot = self._decoding, seq.slot
+        row = -1 if slot is None else bisect_left(self._decoding_slots, slot)
+        if not 0 <= row < len(decoding) or decoding[row] is not seq:
+            raise RuntimeError(f"request {seq.request_id!r} is not in the decode list")
         return row
 
     def _decode_lists(self) -> tuple[list[Sequence], list[list[int]]]:
@@ -661,12 +661,13 @@ class Scheduler:
             and not self._slow_decodes  # their last token or given a stop token need them
             and not self._odd_stops
         ):
-            _consume(map(_APPEND, out.decode_inputs, tokens))  # (``tokens`` goes on with the
-            stopped = (
-                [] if self._stops.isdisjoint(tokens) else _stop_rows(self._stops, tokens, seqs)
-            )
-            dropped = self._end_rows(out, tokens, outcome, stopped)  # prefills': ``map`` stops
-            outcome.num_generated += len(seqs) - dropped  # first)
+            # every token appended at C speed (``map`` stops at the last decode: ``tokens``
+            # goes on with the prefills'), then the rows that need the end rules taken back
+            _consume(map(_APPEND, out.decode_inputs, tokens))
+            due, dropped = self._pop_due(), 0
+            if due or not self._stops.isdisjoint(tokens):
+                dropped = self._end_rows(out, tokens, outcome, due)
+            outcome.num_generated += len(seqs) - dropped
             return len(seqs)
         finished, now = outcome.finished, outcome.ended_at
         skipped = dropped = 0
@@ -683,30 +684,35 @@ class Scheduler:
                     dropped += self._append(seq, token, now, finished, logprob and logprob(seq))
             else:
                 prefix.append(token)  # one token, not the last: the request has computed it
-        self._end_rows(out, tokens, outcome, [])  # (every request due has ended: drops them)
+        self._pop_due()  # (every request due went through the end rules above: none is left)
         outcome.num_generated += len(seqs) - skipped - dropped
         return len(seqs) - skipped
 
-    def _end_rows(
-        self, out: SchedulerOutput, tokens: list[int], outcome: StepOutcome, stopped: list[int]
-    ) -> int:
-        """After a C-speed append, take back the tokens of the decode rows that need the end
-        rules and put them through the rules, in row order: ``stopped`` (rows given a stop
-        token) and the rows whose deadline is due in this update (at their last token,
-        ``fast_until`` tokens before it). Stale deadlines (requests that ended early) go too,
-        and all of them when they outnumber the decodes. Returns the tokens left out of the
-        output."""
-        deadlines, update, seqs = self._deadlines, self._updates, out.decode_seqs
-        rows = stopped
+    def _pop_due(self) -> list[Sequence]:
+        """Take the deadlines due in this update off the heap and return the requests still
+        decoding at them (at their last token, ``fast_until`` tokens before it). Stale deadlines
+        (requests that ended early) go too, and all of them when they outnumber the decodes."""
+        deadlines, update, due = self._deadlines, self._updates, []
         while deadlines and deadlines[0][0] <= update:
             _, admission, seq = heappop(deadlines)
             if seq.fast_until and seq.admission == admission:
-                rows.append(self._decode_row(seq))  # (no request left the plan's list yet)
+                due.append(seq)
         if len(deadlines) > 2 * len(self._decoding) + 32:
             deadlines[:] = [d for d in deadlines if d[2].fast_until and d[2].admission == d[1]]
             heapify(deadlines)
-        dropped, now, finished = 0, outcome.ended_at, outcome.finished
-        for row in sorted(set(rows)) if len(rows) > 1 else rows:
+        return due
+
+    def _end_rows(
+        self, out: SchedulerOutput, tokens: list[int], outcome: StepOutcome, due: list[Sequence]
+    ) -> int:
+        """After a C-speed append, take back the tokens of the decode rows that need the end
+        rules, those given a stop token and those of the ``due`` requests (at their last token;
+        no request has left the plan's list yet), and put them through the rules, in row order.
+        Returns the tokens left out of the output."""
+        seqs, now, finished = out.decode_seqs, outcome.ended_at, outcome.finished
+        rows = {*_stop_rows(self._stops, tokens[: len(seqs)]), *map(self._decode_row, due)}
+        dropped = 0
+        for row in sorted(rows):  # (a set: a request given a stop token may also be due)
             out.decode_inputs[row].pop()
             dropped += self._append(seqs[row], tokens[row], now, finished)
         return dropped
@@ -721,7 +727,7 @@ class Scheduler:
                     was = PREEMPTED if seq.num_preemptions else WAITING
                     self._requeue(seq, was, now)
                 continue
-            token = tokens[index] if chunk.sample else None
+            token = tokens[index] if chunk.sample else NO_TOKEN
             index += chunk.sample
             if seq.status is not RUNNING:
                 continue  # aborted or preempted while the model ran
@@ -730,7 +736,7 @@ class Scheduler:
                 self.prefix_cache.publish(seq)
             if result.prompt_logprobs is not None and not seq.prompt_logprobs_done:
                 _store_prompt_logprobs(seq, result.prompt_logprobs.get(seq.request_id))
-            if token is None:
+            if not chunk.sample:  # a partial chunk: its prefill goes on
                 continue
             self._prefilling.remove(seq)
             self._start_decoding(seq)  # it decodes from the next step on
@@ -894,14 +900,13 @@ def _store_prompt_logprobs(seq: Sequence, found: tuple[int, list[Logprobs]] | No
         stored.extend(entries[skip : max(skip, seq.prompt_len - position)])
 
 
-def _stop_rows(stops: frozenset[int], tokens: list[int], seqs: list[Sequence]) -> list[int]:
-    """The decode rows (the first ``len(seqs)`` of ``tokens``) given a stop token, found at C
-    speed: one ``list.index`` per hit."""
-    head = tokens[: len(seqs)]
+def _stop_rows(stops: frozenset[int], tokens: list[int]) -> list[int]:
+    """The rows of ``tokens`` that hold a stop token, found at C speed: one pass for the stop
+    tokens present, then one ``list.index`` per hit."""
     rows = []
-    for stop in stops:
+    for stop in stops.intersection(tokens):
         row = -1
-        for _ in range(countOf(head, stop)):
-            row = head.index(stop, row + 1)
+        for _ in range(countOf(tokens, stop)):
+            row = tokens.index(stop, row + 1)
             rows.append(row)
     return rows

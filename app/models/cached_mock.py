@@ -28,6 +28,8 @@ class CachedMockModel(MockBase):
     it (the mock's cache is its tokens), so its outputs are those of a full prefill.
     """
 
+    returns_int_tokens = True  # the language picks ints (``returns_int_tokens``)
+
     supports_prefix_caching = True
     copies_slots = True  # a fork's prefix is copied as its tokens (checked against the source)
 

@@ -15,7 +15,6 @@ class MockBase:
     time is the engine's step clock, not the model's."""
 
     blocking = False
-    returns_int_tokens = True  # the language picks ints (``returns_int_tokens``)
 
     def __init__(self, language: MockLanguage | None = None, *, seed: int = 0) -> None:
         self.language = language or MockLanguage(seed=seed)
@@ -30,6 +29,8 @@ class MockModel(MockBase):
     token comes back per entry. Deterministic for a given ``language`` (see ``MockLanguage``);
     it keeps no state between calls. ``next_tokens_for`` honours the rows' sampling as
     ``app.models.mock_sampling`` describes."""
+
+    returns_int_tokens = True  # the language picks ints (``returns_int_tokens``)
 
     def next_tokens(self, batch: list[list[int]]) -> list[int]:
         next_token = self.language.next_token

@@ -302,11 +302,21 @@ def applies_token_masks(model: object) -> bool:
 
 
 def returns_int_tokens(model: object) -> bool:
-    """Whether ``model`` promises that every token it returns is a Python ``int`` (an optional
-    class attribute ``returns_int_tokens = True``: the built-in models, whose tokens are ints by
+    """Whether ``model`` promises that every token it returns is a Python ``int`` (a class
+    attribute ``returns_int_tokens = True``: the built-in models, whose tokens are ints by
     construction). The runner then checks only how many came back; any other model's tokens
-    are also type-checked, one by one."""
-    return getattr(model, "returns_int_tokens", False) is True
+    are also type-checked, one by one. The promise covers the token methods of the class that
+    makes it: a subclass that redefines one without promising again is checked."""
+    for cls in type(model).__mro__:
+        own = vars(cls)
+        if "returns_int_tokens" in own:
+            return own["returns_int_tokens"] is True
+        if any(name in own for name in _TOKEN_METHODS):
+            return False
+    return False
+
+
+_TOKEN_METHODS = ("next_tokens", "next_tokens_for", "step", "step_sampled")
 
 
 Model = StatelessModel | CachedModel

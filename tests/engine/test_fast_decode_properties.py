@@ -1,7 +1,8 @@
-"""Property: the scheduler's fast decode path (a step's tokens appended with no end rule when
-every request shares one stop set, none needs the rules for every token and none is at its
-last token; the last is found from a heap of deadlines) gives every request the tokens a
-sequential run gives it alone. Scenarios mix stop sets that the mock language samples or
+"""Property: the scheduler's fast decode path (when every request shares one stop set and none
+needs the end rules for every token, a step's tokens are appended at C speed; then only the
+rows given a stop token and those at their last token, found from a heap of deadlines, are
+taken back through the end rules) gives every request the tokens a sequential run gives it
+alone. Scenarios mix stop sets that the mock language samples or
 never samples, requests that need the end rules for every token (a stop condition), aborts
 and preemptions before a step or during its model call, failed model calls, the prefix cache
 and KV pressure (preemption and re-admission move a request's deadline)."""

@@ -14,7 +14,7 @@ from reference import run_alone
 from app import CachedMockModel, MockModel, ModelError, ModelOutputError, Request, generate
 from app.models.cached_mock import SlotReuseError
 from app.models.mock_language import MockLanguage
-from app.models.protocol import DEFAULT_SAMPLING, PrefillChunk, StepBatch
+from app.models.protocol import DEFAULT_SAMPLING, PrefillChunk, StepBatch, returns_int_tokens
 
 FAST = settings(max_examples=40, deadline=None)
 
@@ -324,6 +324,40 @@ def test_contract_violation_is_model_output_error(
         assert words in str(info.value)
     # two good calls happened before the bad one; c never started
     assert info.value.partial == {"a": [1, 1], "b": [1, 1], "c": []}
+
+
+class BoolMock(MockModel):
+    """A built-in mock's subclass that redefines its token method (and breaks the contract)."""
+
+    def next_tokens(self, batch: list[list[int]]) -> list[int]:
+        return [True for _ in batch]
+
+
+class BoolCachedMock(CachedMockModel):
+    def step(self, batch: StepBatch) -> list[int]:
+        return [float(token) for token in super().step(batch)]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("model", [BoolMock(), BoolCachedMock(1)])
+def test_a_subclass_that_redefines_a_token_method_is_type_checked(model: object) -> None:
+    """The built-in models promise int tokens (``returns_int_tokens``: the runner then checks
+    only their count); a subclass's own token method is not covered by that promise."""
+    with pytest.raises(ModelOutputError, match="expected int"):
+        generate(model, [Request("a", [1], 3)], 1, 0)  # type: ignore[arg-type]
+
+
+def test_the_built_in_models_promise_int_tokens_and_keep_it() -> None:
+    class Renamed(MockModel):  # no token method of its own: the promise holds
+        pass
+
+    class Promising(BoolMock):
+        returns_int_tokens = True
+
+    for model in (MockModel(), CachedMockModel(1), Renamed()):
+        assert returns_int_tokens(model)
+    assert not returns_int_tokens(BoolMock()) and returns_int_tokens(Promising())
+    tokens = generate(CachedMockModel(1), [Request("a", [1, 2], 4)], 1, -1)["a"]
+    assert len(tokens) == 4 and {type(t) for t in tokens} == {int}
 
 
 def test_tuple_output_is_accepted() -> None:
