@@ -393,8 +393,8 @@ class Scheduler:
     def _decode_row(self, seq: Sequence) -> int:
         """The row of the decoding ``seq`` in the decode list, found by its slot."""
         decoding, slot = self._decoding, seq.slot
-        row = -1 if slot is None else bisect_left(self._decoding_slots, slot)
-        if not 0 <= row < len(decoding) or decoding[row] is not seq:
+        row = len(decoding) if slot is None else bisect_left(self._decoding_slots, slot)
+        if row == len(decoding) or decoding[row] is not seq:
             raise RuntimeError(f"request {seq.request_id!r} is not in the decode list")
         return row
 
@@ -664,9 +664,8 @@ class Scheduler:
             # every token appended at C speed (``map`` stops at the last decode: ``tokens``
             # goes on with the prefills'), then the rows that need the end rules taken back
             _consume(map(_APPEND, out.decode_inputs, tokens))
-            due, dropped = self._pop_due(), 0
-            if due or not self._stops.isdisjoint(tokens):
-                dropped = self._end_rows(out, tokens, outcome, due)
+            due, stopped = self._pop_due(), not self._stops.isdisjoint(tokens)
+            dropped = self._end_rows(out, tokens, outcome, due, stopped) if due or stopped else 0
             outcome.num_generated += len(seqs) - dropped
             return len(seqs)
         finished, now = outcome.finished, outcome.ended_at
@@ -703,16 +702,24 @@ class Scheduler:
         return due
 
     def _end_rows(
-        self, out: SchedulerOutput, tokens: list[int], outcome: StepOutcome, due: list[Sequence]
+        self,
+        out: SchedulerOutput,
+        tokens: list[int],
+        outcome: StepOutcome,
+        due: list[Sequence],
+        stopped: bool,
     ) -> int:
         """After a C-speed append, take back the tokens of the decode rows that need the end
-        rules, those given a stop token and those of the ``due`` requests (at their last token;
-        no request has left the plan's list yet), and put them through the rules, in row order.
-        Returns the tokens left out of the output."""
+        rules, those given a stop token (if ``stopped``: some token of the step is one) and
+        those of the ``due`` requests (at their last token; no request has left the plan's list
+        yet), and put them through the rules, in row order. Returns the tokens left out of the
+        output."""
         seqs, now, finished = out.decode_seqs, outcome.ended_at, outcome.finished
-        rows = {*_stop_rows(self._stops, tokens[: len(seqs)]), *map(self._decode_row, due)}
+        rows = _stop_rows(self._stops, tokens[: len(seqs)]) if stopped else []
+        for seq in due:
+            rows.append(self._decode_row(seq))
         dropped = 0
-        for row in sorted(rows):  # (a set: a request given a stop token may also be due)
+        for row in sorted(set(rows)):  # (a request given a stop token may also be due)
             out.decode_inputs[row].pop()
             dropped += self._append(seqs[row], tokens[row], now, finished)
         return dropped
