@@ -664,7 +664,8 @@ class Scheduler:
             # every token appended at C speed (``map`` stops at the last decode: ``tokens``
             # goes on with the prefills'), then the rows that need the end rules taken back
             _consume(map(_APPEND, out.decode_inputs, tokens))
-            due, stopped = self._pop_due(), not self._stops.isdisjoint(tokens)
+            deadlines, stopped = self._deadlines, not self._stops.isdisjoint(tokens)
+            due = self._pop_due() if deadlines and deadlines[0][0] <= self._updates else []
             dropped = self._end_rows(out, tokens, outcome, due, stopped) if due or stopped else 0
             outcome.num_generated += len(seqs) - dropped
             return len(seqs)
@@ -689,16 +690,13 @@ class Scheduler:
 
     def _pop_due(self) -> list[Sequence]:
         """Take the deadlines due in this update off the heap and return the requests still
-        decoding at them (at their last token, ``fast_until`` tokens before it). Stale deadlines
-        (requests that ended early) go too, and all of them when they outnumber the decodes."""
+        decoding at them (at their last token, ``fast_until`` tokens before it); stale
+        deadlines (requests that ended early) go too."""
         deadlines, update, due = self._deadlines, self._updates, []
         while deadlines and deadlines[0][0] <= update:
             _, admission, seq = heappop(deadlines)
             if seq.fast_until and seq.admission == admission:
                 due.append(seq)
-        if len(deadlines) > 2 * len(self._decoding) + 32:
-            deadlines[:] = [d for d in deadlines if d[2].fast_until and d[2].admission == d[1]]
-            heapify(deadlines)
         return due
 
     def _end_rows(
@@ -869,7 +867,11 @@ class Scheduler:
             self._constrained -= seq.constraint is not None
             self._odd_stops -= seq.stop_token_ids != self._stops
             self._slow_decodes -= not seq.fast_until
-            seq.fast_until = 0
+            seq.fast_until = 0  # (its deadline, if any, is stale: all go when they outnumber
+            deadlines = self._deadlines  # the decodes)
+            if len(deadlines) > 2 * len(decoding) + 32:
+                deadlines[:] = [d for d in deadlines if d[2].fast_until and d[2].admission == d[1]]
+                heapify(deadlines)
         self._released.append(self.slots.release(seq))
         seq.prefilled = 0
         if self.prefix_cache is not None:
