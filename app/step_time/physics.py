@@ -165,7 +165,9 @@ class PhysicsStepTime:
     def seconds(self, work: StepWork) -> float:
         if not work.decode_contexts and not work.prefill_lengths:
             return 0.0
-        total = sum(c * b for c, b in zip(self._coefficients, self.basis(work), strict=True))
+        c = self._coefficients
+        b = self.basis(work)  # (summed term by term, in one order: the same float on every Python)
+        total = c[0] * b[0] + c[1] * b[1] + c[2] * b[2] + c[3] * b[3] + c[4] * b[4] + c[5]
         return total + self.lora_load_s * work.lora_loads
 
 

@@ -192,3 +192,13 @@ def test_a_known_model_name_stands_for_its_config() -> None:
     assert 6.7e9 < load_model_config("llama-2-7b").params < 6.8e9  # 6.74 B
     with pytest.raises(ModelConfigError, match="or one of: llama-2-7b"):
         load_model_config("llama-9")
+
+
+def test_the_step_time_is_the_same_float_on_every_python() -> None:
+    """The terms are added one by one in a fixed order, so a step's time is the same float
+    under every Python (3.12's ``sum()`` of floats rounds differently: 1 ulp here)."""
+    physics = PhysicsStepTime(shape_from_config(TINY), gpu("h100-sxm"), 1)
+    contexts = [550, 1498, 400, 147, 557, 2028, 889, 1057, 2753, 1787, 2567, 1234, 1726, 2078]
+    contexts += [1581, 2352, 1438, 2188, 2397, 1670, 2394, 952, 1380, 2794, 118, 1146, 2482]
+    work = StepWork((202,), (591,), (*contexts, 2750, 2850), 1)
+    assert physics.seconds(work).hex() == "0x1.e71516c20fe98p-10"
