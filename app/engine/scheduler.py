@@ -867,8 +867,10 @@ class Scheduler:
             self._constrained -= seq.constraint is not None
             self._odd_stops -= seq.stop_token_ids != self._stops
             self._slow_decodes -= not seq.fast_until
-            seq.fast_until = 0  # (its deadline, if any, is stale: all go when they outnumber
-            deadlines = self._deadlines  # the decodes)
+            seq.fast_until = 0
+            # its deadline, if not yet due, is stale now; stale ones go when they outnumber
+            # the decodes
+            deadlines = self._deadlines
             if len(deadlines) > 2 * len(decoding) + 32:
                 deadlines[:] = [d for d in deadlines if d[2].fast_until and d[2].admission == d[1]]
                 heapify(deadlines)
