@@ -5,13 +5,17 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from itertools import chain
-from operator import countOf
+from operator import attrgetter, countOf
+from typing import cast
 
 from app.engine.errors import ModelError
 from app.engine.runner import ModelRunner, close_quietly, make_runner
 from app.engine.scheduler import Scheduler
 from app.engine.types import Request, Sequence
 from app.models.protocol import Model
+
+_REQUEST_ID = attrgetter("request_id")
+Results = dict[str, list[int] | None]  # each request's tokens once it has ended (None: not yet)
 
 
 def generate(
@@ -40,7 +44,8 @@ def generate(
     scheduler = Scheduler(num_slots)
     runner = make_runner(model, num_slots, pad_sequence)
     stops = frozenset((stop_token,))
-    results: dict[str, list[int]] = {r.request_id: [] for r in requests}  # filled as each ends
+    # every request's place, in list order (one C-level pass), filled as each one ends
+    results: Results = dict.fromkeys(map(_REQUEST_ID, requests))
     # Each request becomes a ``Sequence`` only when a slot is about to free for it, and is
     # dropped when it ends (its tokens go to ``results``): few objects live at a time.
     arrivals = iter(requests)
@@ -73,14 +78,14 @@ def generate(
                 _queue(scheduler, arrivals, len(finished), results, now, stops, include_stop)
     finally:
         close_quietly(runner)
-    return results
+    return cast(dict[str, list[int]], results)  # every request has ended: no None is left
 
 
 def _queue(
     scheduler: Scheduler,
     arrivals: Iterator[Request],
     count: int,
-    results: dict[str, list[int]],
+    results: Results,
     now: float,
     stops: frozenset[int],
     include_stop: bool,
@@ -138,9 +143,7 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _recover_slots(
-    runner: ModelRunner, scheduler: Scheduler, results: dict[str, list[int]]
-) -> None:
+def _recover_slots(runner: ModelRunner, scheduler: Scheduler, results: Results) -> None:
     """Nothing could be scheduled: have the model retry its failed slot resets; if a slot is
     still unavailable, raise ``ModelError`` with the partial results (``generate()`` does not
     wait for a model to heal)."""
@@ -152,10 +155,10 @@ def _recover_slots(
         )
 
 
-def _partial(scheduler: Scheduler, results: dict[str, list[int]]) -> dict[str, list[int]]:
+def _partial(scheduler: Scheduler, results: Results) -> dict[str, list[int]]:
     """Every request's tokens so far (carried by the error that ends a run): ``results`` for
     the requests that ended or never started, the scheduler's own for the rest."""
-    partial = dict(results)
+    partial = {rid: tokens or [] for rid, tokens in results.items()}  # (None: not started)
     for seq in [*scheduler.slots.running(), *scheduler.waiting]:
         partial[seq.request_id] = seq.generated
     return partial

@@ -68,9 +68,9 @@ class StatelessRunner:
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         seqs, inputs, plain, sampling = out.decode_seqs, out.decode_inputs, out.decodes_plain, []
         if out.prefills:
-            sampling = list(compress(out.prefill_seqs, map(_SAMPLE, out.prefills)))
+            sampling = _sampling_prefills(out)
             inputs = inputs + list(map(_TOKENS, sampling))
-            plain = plain and all(map(_PLAIN, sampling))
+            plain = plain and out.prefills_plain
         if not inputs:
             return ModelOutput([])
         if not plain and self._sampled is not None:
@@ -81,7 +81,7 @@ class StatelessRunner:
         else:
             tokens = self.model.next_tokens(inputs)
             output = ModelOutput(checked_tokens(tokens, len(inputs), self._ints))
-        if out.decodes_constrained or (sampling and not all_unconstrained(sampling)):
+        if out.decodes_constrained or out.prefills_constrained:
             rows = self._constrained.rows(out, sampling)
             output = _obeyed_output(output, rows) if rows else output
         return output
@@ -157,7 +157,7 @@ class CachedRunner:
                 masks[index] = seq.constraint.mask() if seq.constraint is not None else None
         batch = StepBatch(slots, out.decode_tokens, sampling, ids, prefills,
                           decode_histories=out.decode_seqs, token_masks=masks)  # fmt: skip
-        plain = out.decodes_plain and all(chunk.sampling.plain for chunk in prefills)
+        plain = out.decodes_plain and out.prefills_plain
         step = self.model.step if plain or self._sampled is None else self._sampled
         output = model_output(step(batch), batch.num_outputs, frozenset(self._dirty), self._ints)
         if masks:
@@ -210,7 +210,7 @@ class CachedRunner:
 
 def has_constraints(out: SchedulerOutput) -> bool:
     """Whether a request of ``out`` has a grammar (its work may take long: see ``Engine``)."""
-    return out.decodes_constrained or any(seq.constraint is not None for seq in out.prefill_seqs)
+    return out.decodes_constrained or out.prefills_constrained
 
 
 class ConstrainedRows:
@@ -229,16 +229,11 @@ class ConstrainedRows:
             self._decodes = decodes
             self._rows = [(i, seq) for i, seq in enumerate(decodes) if seq.constraint is not None]
         found = self._rows if constrained else []
-        if all_unconstrained(sampled):
+        if not out.prefills_constrained:
             return found
         base = len(decodes)
         extra = [(base + i, seq) for i, seq in enumerate(sampled) if seq.constraint is not None]
         return [*found, *extra]
-
-
-def all_unconstrained(seqs: list[Sequence]) -> bool:
-    """Whether no request of ``seqs`` has a grammar (one C-level pass)."""
-    return countOf(map(_CONSTRAINT, seqs), None) == len(seqs)
 
 
 def obeyed(tokens: list[int], rows: list[tuple[int, Sequence]]) -> list[int]:
@@ -311,8 +306,14 @@ def make_runner(model: Model, num_slots: int, pad_sequence: list[int] | None = N
     raise TypeError(f"{type(model).__name__} has neither next_tokens() nor step() and release()")
 
 
-_TOKENS, _SAMPLE, _PLAIN = attrgetter("tokens"), attrgetter("sample"), attrgetter("sampling.plain")
-_CONSTRAINT = attrgetter("constraint")
+_TOKENS, _SAMPLE = attrgetter("tokens"), attrgetter("sample")
+
+
+def _sampling_prefills(out: SchedulerOutput) -> list[Sequence]:
+    """The requests of ``out``'s prefill chunks that sample, in order (their output rows)."""
+    if out.num_sampling_prefills == len(out.prefills):
+        return out.prefill_seqs  # (the usual case: every chunk completes its prefill)
+    return list(compress(out.prefill_seqs, map(_SAMPLE, out.prefills)))
 
 
 def model_output(

@@ -492,6 +492,11 @@ class Scheduler:
         out.prefill_seqs.append(seq)
         out.prefills.append(chunk)
         out.num_prefill_tokens += size
+        out.num_sampling_prefills += sample
+        if not seq.sampling.plain:
+            out.prefills_plain = False
+        if seq.constraint is not None:
+            out.prefills_constrained = True
         return size
 
     def _admit(self, out: SchedulerOutput, budget: int, now: float) -> int:

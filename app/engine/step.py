@@ -10,12 +10,9 @@ place a request's tokens and state change after a model call.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from operator import attrgetter, countOf
 
 from app.engine.types import Sequence
 from app.models.protocol import Logprobs, PrefillChunk
-
-_SAMPLE = attrgetter("sample")
 
 
 @dataclass(slots=True)
@@ -46,6 +43,11 @@ class SchedulerOutput:
     started_at: float = 0.0
     decodes_plain: bool = True  # every decode request samples plainly (``SamplingParams``)
     decodes_constrained: bool = False  # a decode request has a grammar
+    # the prefill chunks, counted as the scheduler plans them: how many sample; whether every
+    # chunk's request samples plainly; whether one has a grammar
+    num_sampling_prefills: int = 0
+    prefills_plain: bool = True
+    prefills_constrained: bool = False
     num_prefill_tokens: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
@@ -78,7 +80,7 @@ class SchedulerOutput:
     @property
     def num_outputs(self) -> int:
         """Tokens the model must return: one per decode, one per sampling prefill chunk."""
-        return len(self.decode_seqs) + countOf(map(_SAMPLE, self.prefills), True)
+        return len(self.decode_seqs) + self.num_sampling_prefills
 
     @property
     def empty(self) -> bool:
