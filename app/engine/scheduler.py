@@ -173,10 +173,11 @@ class Scheduler:
         self._decoding_slots: list[int] = []  # their slots (never handed out: changed in place)
         self._decoding_planned = False
         self._unplain = self._constrained = 0
-        # for ``_apply_decodes``' C-speed path: decodes that need the end rules for every token;
-        # the stop set of the first decode and how many have another; a heap of (the update
-        # (``_updates``) at which a decode reaches its last token, its admission, it)
-        self._slow_decodes = self._odd_stops = self._updates = 0
+        # for ``_apply_decodes``' C-speed path: the stop set of the first decode; how many
+        # decodes keep a step off that path (they need the end rules for every token, or have
+        # another stop set); a heap of (the update (``_updates``) at which a decode reaches its
+        # last token, its admission, it)
+        self._off_fast_path = self._updates = 0
         self._stops: frozenset[int] = frozenset()
         self._deadlines: list[tuple[int, int, Sequence]] = []
         self._released: list[int] = []
@@ -383,9 +384,8 @@ class Scheduler:
         tokens.insert(index, seq.tokens)
         self._unplain += not seq.sampling.plain
         self._constrained += seq.constraint is not None
-        self._odd_stops += seq.stop_token_ids != self._stops
         seq.fast_until = 0 if seq.slow or seq.constraint is not None else seq.token_limit - 1
-        self._slow_decodes += not seq.fast_until
+        self._off_fast_path += not seq.fast_until or seq.stop_token_ids != self._stops
         if seq.fast_until:  # its last token's update (its first is appended after this one)
             due = self._updates + seq.fast_until - len(seq.tokens)
             heappush(self._deadlines, (due, seq.admission, seq))
@@ -478,7 +478,7 @@ class Scheduler:
             return 0
         sample = start + size == seq.prefill_target
         assert seq.slot is not None
-        if first:
+        if first and self._unstarted:
             self._unstarted.discard(seq.request_id)
         prefix = seq.tokens[:start] if first and start else ()
         source = None
@@ -661,11 +661,10 @@ class Scheduler:
     ) -> int:
         """The hot path: one token for each decoding request. Returns the tokens applied."""
         seqs = out.decode_seqs
-        if (  # no request joined or left since the plan, none needs the end rules for every
-            seqs is self._decoding  # token and all share one stop set: only the requests at
-            and not self._slow_decodes  # their last token or given a stop token need them
-            and not self._odd_stops
-        ):
+        # no request joined or left since the plan, none needs the end rules for every token
+        # and all share one stop set: only the requests at their last token or given a stop
+        # token need them
+        if seqs is self._decoding and not self._off_fast_path:
             # every token appended at C speed (``map`` stops at the last decode: ``tokens``
             # goes on with the prefills'), then the rows that need the end rules taken back
             _consume(map(_APPEND, out.decode_inputs, tokens))
@@ -870,8 +869,7 @@ class Scheduler:
             del decoding[index], tokens[index], self._decoding_slots[index]
             self._unplain -= not seq.sampling.plain
             self._constrained -= seq.constraint is not None
-            self._odd_stops -= seq.stop_token_ids != self._stops
-            self._slow_decodes -= not seq.fast_until
+            self._off_fast_path -= not seq.fast_until or seq.stop_token_ids != self._stops
             seq.fast_until = 0
             # its deadline, if not yet due, is stale now; stale ones go when they outnumber
             # the decodes

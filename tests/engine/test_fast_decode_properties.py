@@ -179,7 +179,7 @@ def run(s: Scenario) -> None:
     scheduler = core.scheduler
     assert not scheduler.slots.running()
     # nothing decodes: no count of the fast path's is left over for the next requests
-    assert (scheduler._slow_decodes, scheduler._odd_stops) == (0, 0)
+    assert scheduler._off_fast_path == 0
 
 
 # a request aborted during the model call of its last token, beside one that goes on
