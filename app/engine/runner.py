@@ -68,7 +68,9 @@ class StatelessRunner:
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         seqs, inputs, plain, sampling = out.decode_seqs, out.decode_inputs, out.decodes_plain, []
         if out.prefills:
-            sampling = _sampling_prefills(out)
+            sampling = out.prefill_seqs  # the requests that sample: usually every chunk's
+            if out.num_sampling_prefills != len(out.prefills):
+                sampling = list(compress(sampling, map(_SAMPLE, out.prefills)))
             inputs = inputs + list(map(_TOKENS, sampling))
             plain = plain and out.prefills_plain
         if not inputs:
@@ -307,13 +309,6 @@ def make_runner(model: Model, num_slots: int, pad_sequence: list[int] | None = N
 
 
 _TOKENS, _SAMPLE = attrgetter("tokens"), attrgetter("sample")
-
-
-def _sampling_prefills(out: SchedulerOutput) -> list[Sequence]:
-    """The requests of ``out``'s prefill chunks that sample, in order (their output rows)."""
-    if out.num_sampling_prefills == len(out.prefills):
-        return out.prefill_seqs  # (the usual case: every chunk completes its prefill)
-    return list(compress(out.prefill_seqs, map(_SAMPLE, out.prefills)))
 
 
 def model_output(

@@ -220,7 +220,8 @@ class Scheduler:
             return True
         if seq.fork_of is not None and not self._may_fork(seq, seq.fork_of):
             seq.fork_of = None
-        set_status(seq, WAITING)
+        if seq.status is not WAITING:  # (a new request is: its status's default)
+            set_status(seq, WAITING)
         self.waiting.push(seq)
         if self.policy is not None:
             self.policy.on_queued(seq, now, new=True)
@@ -302,7 +303,8 @@ class Scheduler:
         docstring for the order). A policy may first preempt one running request for a waiting
         one, when every slot is busy."""
         policy = self.policy
-        self.holds.expire(now)
+        if self.holds.by_id:  # (no call in the usual step: nothing is held)
+            self.holds.expire(now)
         if policy is not None and self.waiting.by_id and not self.slots.free:
             self._preempt_for_waiting(policy, now)
         if self._count_blocks:
@@ -326,8 +328,8 @@ class Scheduler:
             out.preempted, self._preempted = self._preempted, []
         if policy is not None and policy.charges:
             policy.charge(out)
-        if self._released and not out.empty:  # an empty output is never run: keep its
-            out.released, self._released = self._released, []  # releases for the next one
+        if self._released and (out.decode_seqs or out.prefills):  # an empty output is never
+            out.released, self._released = self._released, []  # run: keep its releases
         return out
 
     def release_held(self, request_id: str, now: float) -> Held | None:
@@ -348,7 +350,7 @@ class Scheduler:
         free for the next ``schedule``). Requests aborted or preempted during the call are
         skipped and their tokens dropped (a preempted one recomputes them when it resumes)."""
         tokens, unavailable = result.tokens, result.unavailable_slots
-        expected = out.num_outputs if out.prefills else len(out.decode_seqs)
+        expected = len(out.decode_seqs) + out.num_sampling_prefills  # (``out.num_outputs``)
         if unavailable:
             expected -= sum(1 for c in out.prefills if c.sample and not result.ran(c))
         if len(tokens) != expected:
@@ -358,7 +360,8 @@ class Scheduler:
         outcome.num_decode_generated = self._apply_decodes(out, tokens, outcome, result.logprobs)
         if out.prefills:
             self._apply_prefills(out, result, outcome)
-        self.slots.set_out_of_service(unavailable)
+        if unavailable or self.slots.out_of_service:  # (the usual step: neither)
+            self.slots.set_out_of_service(unavailable)
         return outcome
 
     def fail(self, out: SchedulerOutput, error: BaseException, now: float) -> StepOutcome:
@@ -374,7 +377,9 @@ class Scheduler:
     def _start_decoding(self, seq: Sequence) -> None:
         """``seq`` is past its prefill: it joins the decode list, and unless it needs the full
         end rules for every token, its tokens take the fast path until its last."""
-        decoding, tokens = self._decode_lists()
+        if self._decoding_planned:
+            self._unshare_decode_lists()
+        decoding, tokens = self._decoding, self._decoding_tokens
         if not decoding:
             self._stops = seq.stop_token_ids
         assert seq.slot is not None
@@ -398,14 +403,12 @@ class Scheduler:
             raise RuntimeError(f"request {seq.request_id!r} is not in the decode list")
         return row
 
-    def _decode_lists(self) -> tuple[list[Sequence], list[list[int]]]:
-        """The decode list and its token lists, to be changed in place: copies of them first
-        if a plan carries them."""
-        if self._decoding_planned:
-            self._decoding = self._decoding.copy()
-            self._decoding_tokens = self._decoding_tokens.copy()
-            self._decoding_planned = False
-        return self._decoding, self._decoding_tokens
+    def _unshare_decode_lists(self) -> None:
+        """A plan carries the decode list and its token lists: change copies of them from now
+        on (called before a change, when ``_decoding_planned``)."""
+        self._decoding = self._decoding.copy()
+        self._decoding_tokens = self._decoding_tokens.copy()
+        self._decoding_planned = False
 
     def _decodes_that_fit(self, now: float) -> list[Sequence]:
         """The decoding requests, with the blocks their tokens need set aside. When the cache
@@ -864,7 +867,9 @@ class Scheduler:
             self._prefilling.remove(seq)
             self._unstarted.discard(seq.request_id)
         else:  # it leaves the decode list
-            decoding, tokens = self._decode_lists()
+            if self._decoding_planned:
+                self._unshare_decode_lists()
+            decoding, tokens = self._decoding, self._decoding_tokens
             index = self._decode_row(seq)
             del decoding[index], tokens[index], self._decoding_slots[index]
             self._unplain -= not seq.sampling.plain

@@ -25,7 +25,8 @@ class SlotTable:
         self.free: list[int] = list(range(capacity))  # a heap, lowest first; read-only outside
         self._occupied = 0
         self._running: list[Sequence] | None = []  # running(), rebuilt after any change
-        self._out_of_service: set[int] = set()
+        # slots whose cache could not be reset (read-only outside; replaced whole on a change)
+        self.out_of_service: frozenset[int] = frozenset()
 
     @property
     def occupied(self) -> int:
@@ -35,22 +36,18 @@ class SlotTable:
     def num_free(self) -> int:
         return len(self.free)
 
-    @property
-    def out_of_service(self) -> frozenset[int]:
-        return frozenset(self._out_of_service)
-
     def set_out_of_service(self, slots: Set[int]) -> None:
         """Take ``slots`` out of service and bring back every other slot that was out."""
-        if not slots and not self._out_of_service:
+        if not slots and not self.out_of_service:
             return  # the usual case: nothing to do
-        for slot in self._out_of_service - slots:
+        for slot in self.out_of_service - slots:
             if self._held[slot] is None:
                 heapq.heappush(self.free, slot)
-        for slot in slots - self._out_of_service:
+        for slot in slots - self.out_of_service:
             if slot in self.free:
                 self.free.remove(slot)
                 heapq.heapify(self.free)
-        self._out_of_service = set(slots)
+        self.out_of_service = frozenset(slots)
 
     def allocate(self, seq: Sequence) -> int:
         """Put ``seq`` in the lowest free slot and return its index. Raises if none is free."""
@@ -72,7 +69,7 @@ class SlotTable:
         seq.slot = None
         self._occupied -= 1
         self._running = None
-        if slot not in self._out_of_service:
+        if slot not in self.out_of_service:
             heapq.heappush(self.free, slot)
         return slot
 

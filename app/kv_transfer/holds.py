@@ -35,31 +35,33 @@ class Holds:
         self._total = max(1, total_blocks)
         self._hold_seconds = hold_seconds
         self._max_held = max_held
-        self._held: OrderedDict[str, Held] = OrderedDict()
+        # by request id, oldest first; read-only outside (its truth value says if a hold is
+        # kept, with no call)
+        self.by_id: OrderedDict[str, Held] = OrderedDict()
         self._next_id = 0
         self.blocks = 0  # blocks held now
         self.expired = 0  # requests let go unpulled, ever
 
     def __len__(self) -> int:
-        return len(self._held)
+        return len(self.by_id)
 
     def hold(self, request_id: str, num_blocks: int, num_tokens: int, now: float) -> Held:
         """Keep ``num_blocks`` blocks for ``request_id``; returns what its answer names."""
         self.take(request_id)  # a reused id replaces its older hold
-        while self._held and (
-            len(self._held) >= self._max_held or self.blocks + num_blocks > self._total // 2
+        while self.by_id and (
+            len(self.by_id) >= self._max_held or self.blocks + num_blocks > self._total // 2
         ):
-            self._drop(next(iter(self._held)))
+            self._drop(next(iter(self.by_id)))
         first, self._next_id = self._next_id, (self._next_id + num_blocks) % self._total
         ids = tuple((first + i) % self._total for i in range(num_blocks))
         held = Held(ids, num_tokens, now + self._hold_seconds)
-        self._held[request_id] = held
+        self.by_id[request_id] = held
         self.blocks += num_blocks
         return held
 
     def take(self, request_id: str) -> Held | None:
         """Let ``request_id``'s blocks go because they were pulled; ``None`` if not held."""
-        held = self._held.pop(request_id, None)
+        held = self.by_id.pop(request_id, None)
         if held is not None:
             self.blocks -= len(held.block_ids)
         return held
@@ -67,13 +69,13 @@ class Holds:
     @property
     def next_expiry(self) -> float | None:
         """When the oldest hold is let go unpulled (None: nothing is held)."""
-        return next(iter(self._held.values())).expires if self._held else None
+        return next(iter(self.by_id.values())).expires if self.by_id else None
 
     def expire(self, now: float) -> int:
         """Let go every hold past its time; returns how many."""
         gone = 0
-        while self._held:
-            request_id, held = next(iter(self._held.items()))
+        while self.by_id:
+            request_id, held = next(iter(self.by_id.items()))
             if held.expires > now:
                 break
             self._drop(request_id)
