@@ -14,7 +14,8 @@ from app.engine.scheduler import Scheduler
 from app.engine.types import Request, Sequence
 from app.models.protocol import Model
 
-_REQUEST_ID = attrgetter("request_id")
+_REQUEST_ID, _PROMPT = attrgetter("request_id"), attrgetter("prompt")
+_MAX_TOKENS = attrgetter("max_tokens")
 Results = dict[str, list[int] | None]  # each request's tokens once it has ended (None: not yet)
 
 
@@ -110,10 +111,9 @@ def validate_requests(requests: list[Request], num_slots: int, stop_token: int) 
         raise ValueError(f"num_slots must be an integer >= 1, got {num_slots!r}")
     if not _is_int(stop_token):
         raise ValueError(f"stop_token must be an integer, got {stop_token!r}")
-    prompts = [r.prompt for r in requests]
-    limits = [r.max_tokens for r in requests]
+    prompts, limits = list(map(_PROMPT, requests)), list(map(_MAX_TOKENS, requests))
     if not (
-        len({r.request_id for r in requests}) == len(requests)
+        len(set(map(_REQUEST_ID, requests))) == len(requests)
         and set(map(type, limits)) <= {int}
         and min(limits, default=0) >= 0
         and set(map(type, prompts)) <= {list}

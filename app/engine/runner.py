@@ -71,7 +71,7 @@ class StatelessRunner:
             sampling = out.prefill_seqs  # the requests that sample: usually every chunk's
             if out.num_sampling_prefills != len(out.prefills):
                 sampling = list(compress(sampling, map(_SAMPLE, out.prefills)))
-            inputs = inputs + list(map(_TOKENS, sampling))
+            inputs = [*inputs, *map(_TOKENS, sampling)]
             plain = plain and out.prefills_plain
         if not inputs:
             return ModelOutput([])
