@@ -473,7 +473,9 @@ class Scheduler:
         The ``first`` chunk on its fresh slot (in the step that admits it, or later when static
         batching admitted it with no budget left) carries its cached prefix, if any."""
         start, books = seq.prefilled, self.books
-        size = min(seq.prefill_target - start, self._chunk_cap, budget)
+        size = seq.prefill_target - start  # the rest, within the caps (``min`` costs more)
+        if size > budget or size > self._chunk_cap:
+            size = min(size, budget, self._chunk_cap)
         if self._count_blocks:  # (else the cache never binds)
             size = min(size, books.room(start, self._free_blocks))
             self._free_blocks -= books.blocks_for(start + size) - books.blocks_for(start)
