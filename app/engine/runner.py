@@ -72,7 +72,7 @@ class StatelessRunner:
             if out.num_sampling_prefills != len(out.prefills):
                 sampling = list(compress(sampling, map(_SAMPLE, out.prefills)))
             inputs = [*inputs, *map(_TOKENS, sampling)]
-            plain = plain and all_plain(out, sampling)
+            plain = plain and (out.prefills_plain or all_plain(sampling))
         if not inputs:
             return ModelOutput([])
         if not plain and self._sampled is not None:
@@ -159,7 +159,7 @@ class CachedRunner:
                 masks[index] = seq.constraint.mask() if seq.constraint is not None else None
         batch = StepBatch(slots, out.decode_tokens, sampling, ids, prefills,
                           decode_histories=out.decode_seqs, token_masks=masks)  # fmt: skip
-        plain = out.decodes_plain and all_plain(out, prefills)
+        plain = out.decodes_plain and (out.prefills_plain or all_plain(prefills))
         step = self.model.step if plain or self._sampled is None else self._sampled
         output = model_output(step(batch), batch.num_outputs, frozenset(self._dirty), self._ints)
         if masks:
@@ -210,12 +210,13 @@ class CachedRunner:
             log.info("slot %d was reset and is back in service", slot)
 
 
-def all_plain(out: SchedulerOutput, run: list[Sequence] | list[PrefillChunk]) -> bool:
+def all_plain(run: list[Sequence] | list[PrefillChunk]) -> bool:
     """Whether every one of ``run`` (the prefill rows or chunks given to the model) samples
-    plainly. The scheduler's flag covers every chunk of the step; when it says no, ``run`` is
-    looked at: a chunk the model is not given (one that samples nothing, for a stateless
-    model; one skipped on a slot that failed its reset) keeps no step off the plain call."""
-    return out.prefills_plain or all(map(_PLAIN, run))
+    plainly. Read when ``SchedulerOutput.prefills_plain`` says no: that flag covers every
+    chunk of the step, and a chunk the model is not given (one that samples nothing, for a
+    stateless model; one skipped on a slot that failed its reset) must not keep the step off
+    the model's plain call."""
+    return all(map(_PLAIN, run))
 
 
 def has_constraints(out: SchedulerOutput) -> bool:
