@@ -173,9 +173,9 @@ class Scheduler:
         self._decoding_slots: list[int] = []  # their slots (never handed out: changed in place)
         self._decoding_planned = False
         self._unplain = self._constrained = 0
-        # for ``_apply_decodes``' C-speed path: the stop set of the first decode; how many
-        # decodes keep a step off that path (they need the end rules for every token, or have
-        # another stop set); a heap of (the update (``_updates``) at which a decode reaches its
+        # for ``_apply_decodes``' C-speed path: how many decodes keep a step off it (they need
+        # the end rules for every token, or have another stop set than the first decode's,
+        # ``_stops``); the updates so far; a heap of (the update at which a decode reaches its
         # last token, its admission, it)
         self._off_fast_path = self._updates = 0
         self._stops: frozenset[int] = frozenset()
@@ -220,7 +220,7 @@ class Scheduler:
             return True
         if seq.fork_of is not None and not self._may_fork(seq, seq.fork_of):
             seq.fork_of = None
-        if seq.status is not WAITING:  # (a new request is: its status's default)
+        if seq.status is not WAITING:  # (a new request already is: the default status)
             set_status(seq, WAITING)
         self.waiting.push(seq)
         if self.policy is not None:

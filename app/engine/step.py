@@ -43,8 +43,10 @@ class SchedulerOutput:
     started_at: float = 0.0
     decodes_plain: bool = True  # every decode request samples plainly (``SamplingParams``)
     decodes_constrained: bool = False  # a decode request has a grammar
-    # the prefill chunks, counted as the scheduler plans them: how many sample; whether every
-    # chunk's request samples plainly; whether one has a grammar
+    # the prefill chunks, counted as the scheduler plans them: how many sample; whether the
+    # request of every chunk samples plainly, and whether one has a grammar (both over all the
+    # chunks, also those that sample nothing or that a runner skips: a runner reads the rows
+    # it runs when ``prefills_plain`` is False)
     num_sampling_prefills: int = 0
     prefills_plain: bool = True
     prefills_constrained: bool = False

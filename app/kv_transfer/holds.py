@@ -35,8 +35,8 @@ class Holds:
         self._total = max(1, total_blocks)
         self._hold_seconds = hold_seconds
         self._max_held = max_held
-        # by request id, oldest first; read-only outside (its truth value says if a hold is
-        # kept, with no call)
+        # the holds by request id, oldest first; read-only outside, where an empty one tells
+        # that nothing is held without a call
         self.by_id: OrderedDict[str, Held] = OrderedDict()
         self._next_id = 0
         self.blocks = 0  # blocks held now
