@@ -725,8 +725,10 @@ class Scheduler:
         rows = _stop_rows(self._stops, tokens[: len(seqs)]) if stopped else []
         for seq in due:
             rows.append(self._decode_row(seq))
+        if len(rows) > 1:  # in row order, once (a request given a stop token may also be due)
+            rows = sorted(set(rows))
         dropped = 0
-        for row in sorted(set(rows)):  # (a request given a stop token may also be due)
+        for row in rows:
             out.decode_inputs[row].pop()
             dropped += self._append(seqs[row], tokens[row], now, finished)
         return dropped
